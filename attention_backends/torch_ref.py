@@ -1,0 +1,162 @@
+"""Reference attention backend in plain PyTorch; runs anywhere torch runs.
+
+KV layout per layer: ``[2, num_blocks, block_size, num_kv_heads, head_size]`` (keys, values).
+New K/V are scattered into the cache by slot mapping; every request then attends over its whole
+context gathered back through its block table. Single-token (decode) requests are batched into
+one padded SDPA call; multi-token chunks run one SDPA call each with a causal mask offset by the
+cached prefix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from tokenmill.interfaces.attention import (
+    AttentionBackend,
+    AttentionConfig,
+    AttentionImpl,
+    AttentionMetadataBuilder,
+    CommonAttentionMetadata,
+)
+
+
+@dataclass
+class ChunkInfo:
+    """One multi-token request: its query rows, context slots and causal mask."""
+
+    token_start: int
+    token_end: int
+    slots: torch.Tensor  # [seq_len] flat cache slots of positions 0..seq_len-1
+    mask: torch.Tensor  # [query_len, seq_len] bool, True = attend
+
+
+@dataclass
+class TorchRefMetadata:
+    slot_mapping: torch.Tensor
+    num_actual_tokens: int
+    decode_token_idx: torch.Tensor | None  # [num_decodes] rows of single-token requests
+    decode_slots: torch.Tensor | None  # [num_decodes, max_len]
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_len] bool
+    chunks: list[ChunkInfo]
+
+
+def _context_slots(block_row: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
+    pos = torch.arange(seq_len, device=block_row.device)
+    return block_row[pos // block_size].long() * block_size + pos % block_size
+
+
+class TorchRefMetadataBuilder(AttentionMetadataBuilder):
+    def build(self, common: CommonAttentionMetadata) -> TorchRefMetadata:
+        qsl = common.query_start_loc_cpu.tolist()
+        seq_lens = common.seq_lens_cpu.tolist()
+        bs = self.kv_cache_spec.block_size
+        decodes: list[int] = []
+        chunks: list[ChunkInfo] = []
+        for i in range(common.num_reqs):
+            start, end = qsl[i], qsl[i + 1]
+            if end - start == 1:
+                decodes.append(i)
+                continue
+            seq_len = seq_lens[i]
+            q_pos = torch.arange(seq_len - (end - start), seq_len, device=self.device)
+            k_pos = torch.arange(seq_len, device=self.device)
+            chunks.append(
+                ChunkInfo(
+                    start,
+                    end,
+                    _context_slots(common.block_table[i], seq_len, bs),
+                    k_pos[None, :] <= q_pos[:, None],
+                )
+            )
+        decode_token_idx = decode_slots = decode_mask = None
+        if decodes:
+            rows = torch.tensor(decodes, device=self.device)
+            lens = common.seq_lens[rows].long()
+            max_len = int(lens.max())
+            pos = torch.arange(max_len, device=self.device)
+            blocks = common.block_table[rows][:, pos // bs].long()
+            decode_slots = blocks * bs + pos % bs
+            valid = pos[None, :] < lens[:, None]
+            decode_slots = torch.where(valid, decode_slots, 0)
+            decode_mask = valid[:, None, None, :]
+            decode_token_idx = common.query_start_loc[rows].long()
+        return TorchRefMetadata(
+            common.slot_mapping,
+            common.num_actual_tokens,
+            decode_token_idx,
+            decode_slots,
+            decode_mask,
+            chunks,
+        )
+
+
+class TorchRefImpl(AttentionImpl):
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: TorchRefMetadata | None,
+    ) -> torch.Tensor:
+        output = torch.zeros_like(query)
+        if attn_metadata is None:
+            return output
+        n = attn_metadata.num_actual_tokens
+        key_cache = kv_cache[0].view(-1, self.num_kv_heads, self.head_size)
+        value_cache = kv_cache[1].view(-1, self.num_kv_heads, self.head_size)
+        key_cache.index_copy_(0, attn_metadata.slot_mapping, key[:n].to(key_cache.dtype))
+        value_cache.index_copy_(0, attn_metadata.slot_mapping, value[:n].to(value_cache.dtype))
+        gqa = self.num_heads != self.num_kv_heads
+
+        if attn_metadata.decode_token_idx is not None:
+            rows = attn_metadata.decode_token_idx
+            q = query[rows].unsqueeze(2)  # [B, H, 1, D]
+            k = key_cache[attn_metadata.decode_slots].transpose(1, 2).to(query.dtype)
+            v = value_cache[attn_metadata.decode_slots].transpose(1, 2).to(query.dtype)
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=attn_metadata.decode_mask, scale=self.scale, enable_gqa=gqa
+            )
+            output[rows] = out.squeeze(2)
+
+        for chunk in attn_metadata.chunks:
+            q = query[chunk.token_start : chunk.token_end].transpose(0, 1)  # [H, Q, D]
+            k = key_cache[chunk.slots].transpose(0, 1).to(query.dtype)  # [KVH, S, D]
+            v = value_cache[chunk.slots].transpose(0, 1).to(query.dtype)
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=chunk.mask, scale=self.scale, enable_gqa=gqa
+            )
+            output[chunk.token_start : chunk.token_end] = out.transpose(0, 1)
+        return output
+
+
+class TorchRefBackend(AttentionBackend):
+    @staticmethod
+    def get_name() -> str:
+        return "torch"
+
+    @staticmethod
+    def get_kv_cache_shape(
+        num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
+    ) -> tuple[int, ...]:
+        return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+    @staticmethod
+    def get_impl_cls() -> type[AttentionImpl]:
+        return TorchRefImpl
+
+    @staticmethod
+    def get_metadata_builder_cls() -> type[AttentionMetadataBuilder]:
+        return TorchRefMetadataBuilder
+
+    @classmethod
+    def validate_configuration(cls, config: AttentionConfig) -> list[str]:
+        reasons = []
+        if config.use_mla:
+            reasons.append("MLA models need an MLA backend")
+        if config.kv_cache_dtype not in ("auto",):
+            reasons.append(f"KV-cache dtype {config.kv_cache_dtype!r} is not supported")
+        return reasons

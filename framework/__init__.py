@@ -1,0 +1,40 @@
+"""tokenmill: an LLM inference engine in the architecture of vLLM V1, built from plugins."""
+
+from typing import TYPE_CHECKING, Any
+
+from tokenmill.plugins import hookimpl
+
+__version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from tokenmill.entrypoints.llm import LLM
+    from tokenmill.interfaces.model import ModelRegistry
+    from tokenmill.outputs import CompletionOutput, RequestOutput
+    from tokenmill.sampling_params import SamplingParams
+
+_LAZY = {
+    "LLM": "tokenmill.entrypoints.llm",
+    "SamplingParams": "tokenmill.sampling_params",
+    "RequestOutput": "tokenmill.outputs",
+    "CompletionOutput": "tokenmill.outputs",
+    "ModelRegistry": "tokenmill.interfaces.model",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'tokenmill' has no attribute {name!r}")
+
+
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "ModelRegistry",
+    "RequestOutput",
+    "SamplingParams",
+    "hookimpl",
+    "__version__",
+]

@@ -1,0 +1,1 @@
+"""Scheduling and KV-cache bookkeeping: requests, block pool, cache manager, scheduler."""

@@ -1,0 +1,122 @@
+"""The pool of KV-cache blocks: reference counts, an LRU free queue and the prefix-cache index."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(eq=False)
+class KVCacheBlock:
+    """Metadata of one physical block. A block with ``ref_cnt == 0`` sits in the free queue but
+    keeps its ``block_hash`` (and contents) until it is evicted for reuse."""
+
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: int | None = None
+    prev_free: KVCacheBlock | None = None
+    next_free: KVCacheBlock | None = None
+
+
+class FreeKVCacheBlockQueue:
+    """Doubly linked list of free blocks, least recently freed first; O(1) removal from the
+    middle when a cached free block is hit again."""
+
+    def __init__(self, blocks: list[KVCacheBlock]) -> None:
+        self.head = KVCacheBlock(-1)
+        self.tail = KVCacheBlock(-1)
+        self.head.next_free = self.tail
+        self.tail.prev_free = self.head
+        self.num_free_blocks = 0
+        for block in blocks:
+            self.append(block)
+
+    def append(self, block: KVCacheBlock) -> None:
+        last = self.tail.prev_free
+        assert last is not None
+        last.next_free = block
+        block.prev_free = last
+        block.next_free = self.tail
+        self.tail.prev_free = block
+        self.num_free_blocks += 1
+
+    def remove(self, block: KVCacheBlock) -> None:
+        assert block.prev_free is not None and block.next_free is not None
+        block.prev_free.next_free = block.next_free
+        block.next_free.prev_free = block.prev_free
+        block.prev_free = block.next_free = None
+        self.num_free_blocks -= 1
+
+    def popleft(self) -> KVCacheBlock:
+        block = self.head.next_free
+        if block is None or block is self.tail:
+            raise RuntimeError("no free KV-cache blocks")
+        self.remove(block)
+        return block
+
+
+class BlockPool:
+    """Hands out blocks, takes them back, and indexes full blocks by hash for prefix caching."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.free_queue = FreeKVCacheBlockQueue(self.blocks)
+        self.cached: dict[int, KVCacheBlock] = {}
+
+    def get_num_free_blocks(self) -> int:
+        return self.free_queue.num_free_blocks
+
+    def get_cached_block(self, block_hash: int) -> KVCacheBlock | None:
+        return self.cached.get(block_hash)
+
+    def get_new_blocks(self, n: int) -> list[KVCacheBlock]:
+        """Take ``n`` blocks from the front of the free queue, evicting their cached content."""
+        if n > self.get_num_free_blocks():
+            raise RuntimeError(f"asked for {n} blocks, {self.get_num_free_blocks()} free")
+        out = []
+        for _ in range(n):
+            block = self.free_queue.popleft()
+            self._evict(block)
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def _evict(self, block: KVCacheBlock) -> None:
+        if block.block_hash is not None:
+            if self.cached.get(block.block_hash) is block:
+                del self.cached[block.block_hash]
+            block.block_hash = None
+
+    def touch(self, blocks: list[KVCacheBlock]) -> None:
+        """Take a reference on prefix-cache hits, pulling free ones out of the free queue."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block)
+            block.ref_cnt += 1
+
+    def cache_full_blocks(self, blocks: list[KVCacheBlock], block_hashes: list[int], start: int, end: int) -> None:
+        """Index blocks ``start..end-1`` (now full) under their hashes."""
+        for i in range(start, end):
+            block = blocks[i]
+            if block.block_hash is not None:
+                continue
+            block.block_hash = block_hashes[i]
+            self.cached.setdefault(block.block_hash, block)
+
+    def free_blocks(self, ordered_blocks: list[KVCacheBlock]) -> None:
+        """Drop a reference on each block; blocks reaching zero join the free queue in the given
+        order, so the first ones given are evicted first."""
+        for block in ordered_blocks:
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_queue.append(block)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash; only possible while no block is in use."""
+        if self.get_num_free_blocks() != self.num_blocks:
+            return False
+        for block in self.blocks:
+            block.block_hash = None
+        self.cached.clear()
+        return True

@@ -1,0 +1,258 @@
+"""The scheduler: one token budget per step, shared by running and waiting requests.
+
+There is no prefill phase or decode phase. Each request has ``num_computed_tokens`` and the
+scheduler gives it new tokens toward ``num_tokens``: a chunk of prompt, one decode token, or the
+rest of a prompt after a prefix-cache hit. Running requests go first; when the KV cache is full
+the most recently arrived running request (or the lowest priority one) is preempted by
+recompute. Waiting requests are admitted while budget, sequence slots and blocks (above the
+watermark) remain.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from tokenmill.core.kv_cache_manager import KVCacheManager
+from tokenmill.core.request import Request, RequestStatus
+from tokenmill.core.request_queue import make_queue
+from tokenmill.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
+    policy: str = "fcfs"
+
+
+@dataclass
+class EngineCoreOutput:
+    """What one step produced for one request."""
+
+    req_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv_cache_manager
+        self.requests: dict[str, Request] = {}
+        self.waiting = make_queue(config.policy)
+        self.running: list[Request] = []
+        self.finished_req_ids: set[str] = set()
+        self.num_preemptions = 0
+
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running) or len(self.waiting) > 0
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.running) + len(self.waiting)
+
+    def schedule(self) -> SchedulerOutput:
+        cfg = self.config
+        budget = cfg.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_reqs: list[NewRequestData] = []
+        cached = CachedRequestData()
+        preempted: set[str] = set()
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = self._num_new_tokens(req, req.num_computed_tokens, budget)
+            if num_new == 0:
+                i += 1
+                continue
+            while True:
+                new_blocks = self.kv.allocate_slots(req, num_new)
+                if new_blocks is not None:
+                    break
+                victim = self._pick_victim()
+                if self.running.index(victim) < i:
+                    i -= 1
+                self.running.remove(victim)
+                self._preempt(victim)
+                preempted.add(victim.request_id)
+                if victim.request_id in num_scheduled:
+                    budget += num_scheduled.pop(victim.request_id)
+                    idx = cached.req_ids.index(victim.request_id)
+                    for lst in vars(cached).values():
+                        del lst[idx]
+                if victim is req:
+                    break
+            if new_blocks is None:
+                break
+            num_scheduled[req.request_id] = num_new
+            budget -= num_new
+            cached.req_ids.append(req.request_id)
+            cached.resumed_from_preemption.append(False)
+            cached.new_block_ids.append([b.block_id for b in new_blocks])
+            cached.num_computed_tokens.append(req.num_computed_tokens)
+            i += 1
+
+        if not preempted:
+            self._schedule_waiting(budget, num_scheduled, new_reqs, cached)
+
+        for req_id, n in num_scheduled.items():
+            self.requests[req_id].num_computed_tokens += n
+        out = SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            preempted_req_ids=preempted,
+            finished_req_ids=self.finished_req_ids,
+        )
+        self.finished_req_ids = set()
+        return out
+
+    def _num_new_tokens(self, req: Request, num_computed: int, budget: int) -> int:
+        num_new = req.num_tokens - num_computed
+        if self.config.long_prefill_token_threshold > 0:
+            num_new = min(num_new, self.config.long_prefill_token_threshold)
+        return max(0, min(num_new, budget, self.config.max_model_len - num_computed))
+
+    def _schedule_waiting(
+        self,
+        budget: int,
+        num_scheduled: dict[str, int],
+        new_reqs: list[NewRequestData],
+        cached: CachedRequestData,
+    ) -> None:
+        cfg = self.config
+        while len(self.waiting) and budget > 0 and len(self.running) < cfg.max_num_seqs:
+            req = self.waiting.peek()
+            hits, num_hit_tokens = self.kv.get_computed_blocks(req)
+            num_new = self._num_new_tokens(req, num_hit_tokens, budget)
+            full = req.num_tokens - num_hit_tokens
+            if num_new < full and not cfg.enable_chunked_prefill:
+                break
+            new_blocks = self.kv.allocate_slots(
+                req, num_new, num_hit_tokens, hits, admit=True
+            )
+            if new_blocks is None:
+                break
+            self.waiting.pop()
+            self.running.append(req)
+            req.num_computed_tokens = num_hit_tokens
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_hit_tokens
+            num_scheduled[req.request_id] = num_new
+            budget -= num_new
+            block_ids = self.kv.get_block_ids(req.request_id)
+            if req.status == RequestStatus.PREEMPTED:
+                cached.req_ids.append(req.request_id)
+                cached.resumed_from_preemption.append(True)
+                cached.new_block_ids.append(block_ids)
+                cached.num_computed_tokens.append(num_hit_tokens)
+            else:
+                new_reqs.append(
+                    NewRequestData(
+                        req.request_id,
+                        req.prompt_token_ids,
+                        req.sampling_params,
+                        block_ids,
+                        num_hit_tokens,
+                    )
+                )
+            req.status = RequestStatus.RUNNING
+
+    def _pick_victim(self) -> Request:
+        """The lowest-priority (highest value, latest) request, or the latest under FCFS."""
+        if self.config.policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.prepend(req)
+
+    def update_from_output(
+        self,
+        scheduler_output: SchedulerOutput,
+        sampled: dict[str, list[int]],
+        logprobs: dict[str, list[dict[int, float]]] | None = None,
+    ) -> list[EngineCoreOutput]:
+        """Append each request's sampled tokens, check stop conditions, free what finished."""
+        outputs = []
+        for req_id in scheduler_output.num_scheduled_tokens:
+            req = self.requests.get(req_id)
+            if req is None or req.is_finished():
+                continue
+            new_ids = sampled.get(req_id, [])
+            kept: list[int] = []
+            for tok in new_ids:
+                kept.append(tok)
+                req.append_output_token_ids([tok])
+                if self._check_stop(req, tok):
+                    break
+            if not kept:
+                continue
+            req_logprobs = logprobs.get(req_id) if logprobs else None
+            outputs.append(
+                EngineCoreOutput(
+                    req_id,
+                    kept,
+                    req_logprobs[: len(kept)] if req_logprobs else None,
+                    req.get_finished_reason(),
+                    req.stop_reason,
+                    max(req.num_cached_tokens, 0),
+                )
+            )
+            if req.is_finished():
+                self._finish(req)
+        return outputs
+
+    def _check_stop(self, req: Request, token: int) -> bool:
+        params = req.sampling_params
+        if req.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token == req.eos_token_id:
+                req.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if token in params.stop_token_ids:
+                req.status = RequestStatus.FINISHED_STOPPED
+                req.stop_reason = token
+                return True
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.config.max_model_len:
+            req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        return False
+
+    def finish_requests(self, req_ids: Iterable[str], status: RequestStatus, stop_reason: int | str | None = None) -> None:
+        """Finish requests from outside the step (abort, stop string matched)."""
+        for req_id in req_ids:
+            req = self.requests.get(req_id)
+            if req is None or req.is_finished():
+                continue
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+            else:
+                self.waiting.remove(req)
+            req.status = status
+            if stop_reason is not None:
+                req.stop_reason = stop_reason
+            self._finish(req)
+
+    def _finish(self, req: Request) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        self.kv.free(req)
+        del self.requests[req.request_id]
+        self.finished_req_ids.add(req.request_id)

@@ -1,0 +1,1 @@
+"""The engine: engine core step loop, request bookkeeping and detokenization."""

@@ -1,0 +1,1 @@
+"""User entry points: the offline ``LLM`` and the command line."""

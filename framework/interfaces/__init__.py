@@ -1,0 +1,29 @@
+"""Interfaces the core defines and plugins implement."""
+
+from tokenmill.interfaces.attention import (
+    AttentionBackend,
+    AttentionConfig,
+    AttentionImpl,
+    AttentionMetadataBuilder,
+    CommonAttentionMetadata,
+)
+from tokenmill.interfaces.model import CausalLM, ModelRegistry
+from tokenmill.interfaces.platform import Platform
+from tokenmill.interfaces.proposer import Proposal, ProposalBatch, Proposer
+from tokenmill.interfaces.quantization import LinearMethod, QuantizationMethod
+
+__all__ = [
+    "AttentionBackend",
+    "AttentionConfig",
+    "AttentionImpl",
+    "AttentionMetadataBuilder",
+    "CausalLM",
+    "CommonAttentionMetadata",
+    "LinearMethod",
+    "ModelRegistry",
+    "Platform",
+    "Proposal",
+    "ProposalBatch",
+    "Proposer",
+    "QuantizationMethod",
+]

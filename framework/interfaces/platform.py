@@ -1,0 +1,77 @@
+"""The hardware-platform interface (after vLLM's ``Platform``)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+from tokenmill.interfaces.attention import AttentionConfig
+
+if TYPE_CHECKING:
+    from tokenmill.config import EngineConfig
+
+
+class Platform:
+    """A device family the engine can run on. Subclasses set the class attributes and override
+    the class methods that differ; nothing is instantiated."""
+
+    name: ClassVar[str] = "base"
+    device_type: ClassVar[str] = "cpu"
+    supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32,)
+    dist_backend: ClassVar[str] = "gloo"
+    supported_quantization: ClassVar[tuple[str, ...]] = ()
+    detection_priority: ClassVar[int] = 0
+    """Among available built-in platforms the highest priority wins (CUDA over CPU)."""
+
+    @classmethod
+    def is_available(cls) -> bool:
+        return False
+
+    @classmethod
+    def get_device_capability(cls) -> tuple[int, int] | None:
+        return None
+
+    @classmethod
+    def get_attn_backend_candidates(cls, config: AttentionConfig) -> list[str]:
+        """Backend names to try, by priority."""
+        return []
+
+    @classmethod
+    def get_device_communicator_cls(cls) -> str | None:
+        """``module:Class`` of the tensor-parallel communicator, or None for torch.distributed."""
+        return None
+
+    @classmethod
+    def default_dtype(cls, model_dtype: torch.dtype) -> torch.dtype:
+        """The dtype ``dtype="auto"`` resolves to for a checkpoint stored in ``model_dtype``."""
+        return model_dtype if model_dtype in cls.supported_dtypes else cls.supported_dtypes[0]
+
+    @classmethod
+    def check_and_update_config(cls, config: EngineConfig) -> None:
+        """Adjust or reject an engine configuration for this platform."""
+
+    @classmethod
+    def import_kernels(cls) -> None:
+        """Import compiled kernels the platform needs, once per process."""
+
+    @classmethod
+    def device(cls, rank: int = 0) -> torch.device:
+        return torch.device(cls.device_type)
+
+    @classmethod
+    def get_device_total_memory(cls) -> int:
+        raise NotImplementedError
+
+    @classmethod
+    def get_available_memory(cls) -> int:
+        raise NotImplementedError
+
+    @classmethod
+    def get_kv_cache_budget(cls, config: EngineConfig) -> int:
+        """Bytes for the KV cache when the user gave neither blocks nor bytes."""
+        raise NotImplementedError
+
+    @classmethod
+    def set_num_threads(cls, config: EngineConfig) -> None:
+        """Apply thread settings for the current process."""

@@ -1,0 +1,57 @@
+"""The quantization-method interface: how a linear layer creates, loads and applies weights."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class LinearMethod(ABC):
+    """Creates a linear layer's parameters and computes ``x @ W.T (+ b)`` with them."""
+
+    @abstractmethod
+    def create_weights(
+        self,
+        layer: nn.Module,
+        input_size: int,
+        output_partition_sizes: list[int],
+        params_dtype: torch.dtype,
+    ) -> None:
+        """Register parameters on ``layer``. ``output_partition_sizes`` lists the (fused)
+        output shards this rank holds; each parameter gets a ``weight_loader`` attribute when it
+        needs a special one."""
+
+    @abstractmethod
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        ...
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Repack weights once all are loaded (transpose, quantize, ...)."""
+
+
+class QuantizationMethod(ABC):
+    """A registered quantization scheme, built from a checkpoint's ``quantization_config`` or
+    the ``quantization=`` argument."""
+
+    @classmethod
+    @abstractmethod
+    def get_name(cls) -> str: ...
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> QuantizationMethod:
+        return cls()
+
+    @classmethod
+    def supported_act_dtypes(cls) -> list[torch.dtype]:
+        return [torch.float32, torch.float16, torch.bfloat16]
+
+    @abstractmethod
+    def get_linear_method(self, layer: nn.Module, prefix: str) -> LinearMethod | None:
+        """The method for the linear layer at ``prefix``; None leaves it unquantized."""
+
+    def get_kv_cache_dtype(self) -> torch.dtype | None:
+        """A KV-cache dtype this method implies, if any."""
+        return None

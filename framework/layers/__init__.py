@@ -1,0 +1,1 @@
+"""Layers shared by models: linear (TP- and quantization-aware), norms, RoPE, attention."""

@@ -1,0 +1,55 @@
+"""The attention layer models use; paging is the backend's business."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tokenmill.core.kv_cache_spec import FullAttentionSpec, KVCacheSpec
+from tokenmill.forward_context import get_forward_context
+from tokenmill.layers.build_context import current_build_context
+
+
+class Attention(nn.Module):
+    """Multi-head / grouped-query attention over the paged KV cache.
+
+    ``forward`` takes flat projections ``q`` [T, num_heads*head_size] and ``k``/``v``
+    [T, num_kv_heads*head_size] for all scheduled tokens of all requests, writes K/V into this
+    layer's cache and returns [T, num_heads*head_size]. ``prefix`` must be the layer's unique
+    module path: it names the layer's KV cache.
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int | None = None,
+        prefix: str = "",
+    ) -> None:
+        super().__init__()
+        ctx = current_build_context()
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.num_kv_heads = num_kv_heads or num_heads
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+        self.layer_name = prefix
+        self.backend = ctx.attn_backend
+        self.impl = self.backend.get_impl_cls()(num_heads, head_size, scale, self.num_kv_heads)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        ctx = get_forward_context()
+        out = self.impl.forward(
+            q.view(-1, self.num_heads, self.head_size),
+            k.view(-1, self.num_kv_heads, self.head_size),
+            v.view(-1, self.num_kv_heads, self.head_size),
+            ctx.kv_caches.get(self.layer_name),
+            ctx.attn_metadata,
+        )
+        return out.reshape(-1, self.num_heads * self.head_size)
+
+    def get_kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
+        return FullAttentionSpec(block_size, dtype, self.num_kv_heads, self.head_size)

@@ -1,0 +1,239 @@
+"""Plugin loading: pluggy hook specs, entry points and the registries they fill.
+
+Every platform, attention backend, model architecture, proposer and quantization method is
+registered through a ``register(name, "package.module:Class")`` callback handed to a hook
+implementation. First-party parts come through the same ``tokenmill.plugins`` entry points as
+third-party ones. Targets are imported only when chosen.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import logging
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pluggy
+
+logger = logging.getLogger(__name__)
+
+PROJECT = "tokenmill"
+ENTRY_POINT_GROUP = "tokenmill.plugins"
+RUNTIME = "(runtime)"
+
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+KINDS = {
+    "platforms": "register_platforms",
+    "attention_backends": "register_attention_backends",
+    "models": "register_models",
+    "proposers": "register_proposers",
+    "quantization_methods": "register_quantization_methods",
+}
+
+
+class HookSpecs:
+    """The hooks a plugin module may implement; each receives a ``register(name, target)``."""
+
+    @hookspec
+    def register_platforms(self, register: Callable[[str, str], None]) -> None:
+        """Register hardware platforms: ``register("cpu", "pkg.mod:CpuPlatform")``."""
+
+    @hookspec
+    def register_attention_backends(self, register: Callable[[str, str], None]) -> None:
+        """Register attention backends by name."""
+
+    @hookspec
+    def register_models(self, register: Callable[[str, str], None]) -> None:
+        """Register model classes by HF architecture name (``config.json`` ``architectures``)."""
+
+    @hookspec
+    def register_proposers(self, register: Callable[[str, str], None]) -> None:
+        """Register speculative-decoding proposers by method name."""
+
+    @hookspec
+    def register_quantization_methods(self, register: Callable[[str, str], None]) -> None:
+        """Register quantization methods by name."""
+
+
+class PluginError(RuntimeError):
+    """A plugin failed to load or register; the message names the plugin and its distribution."""
+
+
+@dataclass(frozen=True)
+class Registration:
+    """One registered part: where it lives and who registered it."""
+
+    kind: str
+    name: str
+    target: str
+    plugin: str
+    distribution: str
+
+    def load(self) -> type:
+        """Import and return the registered class."""
+        module_name, _, attr = self.target.partition(":")
+        try:
+            obj = importlib.import_module(module_name)
+            for part in attr.split("."):
+                obj = getattr(obj, part)
+        except Exception as e:
+            raise PluginError(
+                f"cannot import {self.kind[:-1].replace('_', ' ')} {self.name!r} "
+                f"({self.target}) registered by plugin {self.plugin!r} "
+                f"from distribution {self.distribution!r}: {e}"
+            ) from e
+        return obj
+
+
+class Registry:
+    """Name -> lazy registration for one kind of part."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self.entries: dict[str, Registration] = {}
+
+    def add(self, reg: Registration, *, replace: bool) -> None:
+        old = self.entries.get(reg.name)
+        if old is not None and not replace and old.target != reg.target:
+            raise PluginError(
+                f"{self.kind} name {reg.name!r} registered twice: by plugin {old.plugin!r} "
+                f"({old.distribution}) and by plugin {reg.plugin!r} ({reg.distribution})"
+            )
+        self.entries[reg.name] = reg
+
+    def get(self, name: str) -> Registration:
+        try:
+            return self.entries[name]
+        except KeyError:
+            known = ", ".join(sorted(self.entries)) or "none"
+            label = self.kind[:-1].replace("_", " ")
+            raise ValueError(f"unknown {label} {name!r}; registered: {known}") from None
+
+    def load(self, name: str) -> type:
+        return self.get(name).load()
+
+    def names(self) -> list[str]:
+        return sorted(self.entries)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.entries
+
+
+class PluginManager:
+    """Loads entry-point plugins and runs their hooks into one registry per kind."""
+
+    def __init__(self) -> None:
+        self.pm = pluggy.PluginManager(PROJECT)
+        self.pm.add_hookspecs(HookSpecs)
+        self.registries = {kind: Registry(kind) for kind in KINDS}
+        self.plugin_distributions: dict[str, str] = {}
+
+    def load_entry_points(self) -> None:
+        allowed = _allowed_plugins()
+        for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+            if allowed is not None and ep.name not in allowed:
+                continue
+            dist = ep.dist.name if ep.dist is not None else "unknown"
+            try:
+                module = ep.load()
+            except Exception as e:
+                raise PluginError(
+                    f"plugin {ep.name!r} from distribution {dist!r} failed to load "
+                    f"({ep.value}): {e}"
+                ) from e
+            self.register_plugin(module, ep.name, dist)
+
+    def register_plugin(self, module: object, name: str, distribution: str) -> None:
+        """Register a hook-implementing object and run its hooks now."""
+        if self.pm.get_plugin(name) is not None:
+            return
+        try:
+            self.pm.register(module, name=name)
+        except Exception as e:
+            raise PluginError(
+                f"plugin {name!r} from distribution {distribution!r} is not a valid "
+                f"tokenmill plugin: {e}"
+            ) from e
+        self.plugin_distributions[name] = distribution
+        for kind, hook_name in KINDS.items():
+            for impl in getattr(self.pm.hook, hook_name).get_hookimpls():
+                if impl.plugin_name == name:
+                    self._run_hook(kind, impl, name, distribution)
+
+    def _run_hook(self, kind: str, impl: pluggy.HookImpl, plugin: str, dist: str) -> None:
+        registry = self.registries[kind]
+
+        def register(part_name: str, target: str) -> None:
+            if not isinstance(part_name, str) or ":" not in str(target):
+                raise PluginError(
+                    f"plugin {plugin!r} from distribution {dist!r} registered "
+                    f"{part_name!r} -> {target!r}; expected register(name, 'module:Class')"
+                )
+            registry.add(Registration(kind, part_name, target, plugin, dist), replace=False)
+
+        try:
+            impl.function(register=register)
+        except PluginError:
+            raise
+        except Exception as e:
+            raise PluginError(
+                f"plugin {plugin!r} from distribution {dist!r} failed in "
+                f"{impl.function.__name__}: {e}"
+            ) from e
+
+
+def _allowed_plugins() -> set[str] | None:
+    value = os.environ.get("TOKENMILL_PLUGINS")
+    if value is None or not value.strip():
+        return None
+    return {name.strip() for name in value.split(",") if name.strip()}
+
+
+_lock = threading.Lock()
+_manager: PluginManager | None = None
+_runtime: list[Registration] = []
+
+
+def get_plugin_manager() -> PluginManager:
+    """The process-wide plugin manager, loading entry points on first use."""
+    global _manager
+    with _lock:
+        if _manager is None:
+            manager = PluginManager()
+            manager.load_entry_points()
+            for reg in _runtime:
+                manager.registries[reg.kind].add(reg, replace=True)
+            _manager = manager
+        return _manager
+
+
+def reload_plugins() -> PluginManager:
+    """Forget loaded plugins and load them again (runtime registrations are kept)."""
+    global _manager
+    with _lock:
+        _manager = None
+    return get_plugin_manager()
+
+
+def get_registry(kind: str) -> Registry:
+    """The registry of one kind: platforms, attention_backends, models, proposers, quantization_methods."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown plugin kind {kind!r}; expected one of {', '.join(KINDS)}")
+    return get_plugin_manager().registries[kind]
+
+
+def register(kind: str, name: str, target: str) -> None:
+    """Register a part at run time, in this process only (worker processes see entry points only).
+
+    A runtime registration replaces an entry-point one of the same name.
+    """
+    if ":" not in target:
+        raise ValueError(f"target {target!r} must be 'module:Class'")
+    reg = Registration(kind, name, target, RUNTIME, RUNTIME)
+    get_registry(kind).add(reg, replace=True)
+    _runtime.append(reg)

@@ -1,0 +1,5 @@
+"""Quantization methods (FP8 and INT8 weights, FP8 KV cache).
+
+Methods implement ``tokenmill.interfaces.QuantizationMethod`` and are registered through the
+``register_quantization_methods`` hook of a ``tokenmill.plugins`` entry point.
+"""
