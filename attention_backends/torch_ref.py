@@ -3,7 +3,8 @@
 KV layout per layer: ``[2, num_blocks, block_size, num_kv_heads, head_size]`` (keys, values).
 New K/V are scattered into the cache by slot mapping; every request then attends over its whole
 context gathered back through its block table. Single-token (decode) requests are batched into
-one padded SDPA call; multi-token chunks run one SDPA call each with a causal mask offset by the
+one padded SDPA call (padding re-reads the request's own first slot, which is always written,
+so an uninitialised cache is never read); multi-token chunks run one SDPA call each with a causal mask offset by the
 cached prefix.
 """
 
@@ -80,7 +81,7 @@ class TorchRefMetadataBuilder(AttentionMetadataBuilder):
             blocks = common.block_table[rows][:, pos // bs].long()
             decode_slots = blocks * bs + pos % bs
             valid = pos[None, :] < lens[:, None]
-            decode_slots = torch.where(valid, decode_slots, 0)
+            decode_slots = torch.where(valid, decode_slots, decode_slots[:, :1])
             decode_mask = valid[:, None, None, :]
             decode_token_idx = common.query_start_loc[rows].long()
         return TorchRefMetadata(

@@ -166,6 +166,7 @@ class Scheduler:
                         req.sampling_params,
                         block_ids,
                         num_hit_tokens,
+                        req.eos_token_id,
                     )
                 )
             req.status = RequestStatus.RUNNING

@@ -1,0 +1,142 @@
+"""Engine configuration: the user's arguments, checked, then resolved against the model and
+the platform."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+
+from tokenmill.interfaces.platform import Platform
+
+DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+MAX_DEFAULT_MODEL_LEN = 32768
+
+
+@dataclass
+class EngineConfig:
+    """Everything ``LLM(...)`` accepts; see DESIGN.md's public API. ``finalize()`` fills the
+    derived fields (model path, HF config, platform, torch dtype, lengths)."""
+
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    long_prefill_token_threshold: int = 0
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    attention_backend: str | None = None
+    platform: str | None = None
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"
+    speculative_config: dict[str, Any] | None = None
+    tensor_parallel_size: int = 1
+    seed: int = 0
+    scheduling_policy: str = "fcfs"
+    watermark: float = 0.01
+    enforce_eager: bool = False
+
+    model_path: str = field(init=False, default="")
+    hf_config: Any = field(init=False, default=None)
+    platform_cls: type[Platform] = field(init=False, default=Platform)
+    torch_dtype: torch.dtype = field(init=False, default=torch.float32)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        names = {f.name for f in fields(cls) if f.init}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(f"unknown engine arguments: {', '.join(unknown)}")
+        return cls(**kwargs)
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "block_size", "tensor_parallel_size"):
+            _positive_int(name, getattr(self, name))
+        for name in ("max_model_len", "max_num_batched_tokens", "num_kv_blocks", "kv_cache_memory_bytes"):
+            if getattr(self, name) is not None:
+                _positive_int(name, getattr(self, name))
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3", "fp8_e5m2"):
+            raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', got {self.kv_cache_dtype!r}")
+        if not 0 <= self.watermark < 1:
+            raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold must be >= 0")
+
+    def finalize(self) -> EngineConfig:
+        """Resolve the model, platform, dtype and lengths; raises on anything unusable."""
+        from tokenmill.model_loader.loader import load_hf_config
+        from tokenmill.selector import select_platform
+
+        if self.model is None:
+            from tokenmill.default_model import default_model_path
+
+            self.model_path = default_model_path()
+        else:
+            self.model_path = os.path.expanduser(str(self.model))
+            if not os.path.isdir(self.model_path):
+                raise FileNotFoundError(f"model directory {self.model_path!r} does not exist")
+        self.hf_config = load_hf_config(self.model_path)
+        self.platform_cls = select_platform(self.platform)
+        self.torch_dtype = self._resolve_dtype()
+
+        model_max = _model_max_len(self.hf_config)
+        if self.max_model_len is None:
+            self.max_model_len = min(model_max, MAX_DEFAULT_MODEL_LEN)
+        elif self.max_model_len > model_max:
+            raise ValueError(
+                f"max_model_len ({self.max_model_len}) is larger than the model's maximum "
+                f"({model_max})"
+            )
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = DEFAULT_MAX_NUM_BATCHED_TOKENS
+            if not self.enable_chunked_prefill:
+                self.max_num_batched_tokens = max(self.max_model_len, DEFAULT_MAX_NUM_BATCHED_TOKENS)
+        elif not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) "
+                f"must be >= max_model_len ({self.max_model_len})"
+            )
+        self.platform_cls.check_and_update_config(self)
+        return self
+
+    def _resolve_dtype(self) -> torch.dtype:
+        stored = getattr(self.hf_config, "dtype", None) or getattr(self.hf_config, "torch_dtype", None)
+        if isinstance(stored, str):
+            stored = DTYPES.get(stored, torch.float32)
+        if not isinstance(stored, torch.dtype):
+            stored = torch.float32
+        if self.dtype == "auto":
+            return self.platform_cls.default_dtype(stored)
+        dtype = DTYPES[self.dtype]
+        if dtype not in self.platform_cls.supported_dtypes:
+            raise ValueError(f"dtype {self.dtype} is not supported on platform {self.platform_cls.name!r}")
+        return dtype
+
+
+def _model_max_len(hf_config: Any) -> int:
+    for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
+        value = getattr(hf_config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 2048
+
+
+def _positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")

@@ -1,0 +1,97 @@
+"""The engine core: KV-cache sizing, then ``step()`` = schedule, execute, update."""
+
+from __future__ import annotations
+
+import logging
+
+from tokenmill.config import EngineConfig
+from tokenmill.core.kv_cache_manager import KVCacheManager
+from tokenmill.core.kv_cache_spec import KVCacheSpec
+from tokenmill.core.request import Request, RequestStatus
+from tokenmill.core.scheduler import EngineCoreOutput, Scheduler, SchedulerConfig
+from tokenmill.worker.executor import UniProcExecutor
+
+logger = logging.getLogger(__name__)
+
+
+def determine_num_blocks(config: EngineConfig, specs: dict[str, KVCacheSpec]) -> int:
+    """Blocks from ``num_kv_blocks``, else from the byte budget over all layers' page sizes."""
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    budget = config.kv_cache_memory_bytes or config.platform_cls.get_kv_cache_budget(config)
+    bytes_per_block = sum(spec.page_size_bytes for spec in specs.values())
+    num_blocks = budget // bytes_per_block
+    if num_blocks < 1:
+        raise ValueError(
+            f"KV-cache budget of {budget} bytes holds no block ({bytes_per_block} bytes each)"
+        )
+    return num_blocks
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.executor = UniProcExecutor(config)
+        specs = self.executor.get_kv_cache_specs()
+        num_blocks = determine_num_blocks(config, specs)
+        capacity = num_blocks * config.block_size
+        if capacity < config.max_model_len:
+            logger.warning(
+                "KV cache holds %d tokens; lowering max_model_len from %d", capacity, config.max_model_len
+            )
+            config.max_model_len = capacity
+        self.executor.initialize_kv_cache(num_blocks)
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks,
+            config.block_size,
+            config.max_model_len,
+            config.enable_prefix_caching,
+            config.watermark,
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_model_len=config.max_model_len,
+                enable_chunked_prefill=config.enable_chunked_prefill,
+                long_prefill_token_threshold=config.long_prefill_token_threshold,
+                policy=config.scheduling_policy,
+            ),
+            self.kv_cache_manager,
+        )
+
+    def max_prompt_tokens(self) -> int:
+        """Longest prompt the cache can admit with room for one output token."""
+        kv = self.kv_cache_manager
+        admissible = (kv.num_blocks - kv.watermark_blocks) * self.config.block_size - 1
+        return min(self.config.max_model_len - 1, admissible)
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, req_ids: list[str]) -> None:
+        self.scheduler.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[EngineCoreOutput]:
+        if not self.scheduler.has_unfinished_requests():
+            return []
+        scheduler_output = self.scheduler.schedule()
+        model_output = self.executor.execute_model(scheduler_output)
+        return self.scheduler.update_from_output(
+            scheduler_output, model_output.sampled_token_ids, model_output.logprobs
+        )
+
+    def get_stats(self) -> dict[str, int]:
+        kv = self.kv_cache_manager
+        return {
+            "num_running_requests": len(self.scheduler.running),
+            "num_waiting_requests": len(self.scheduler.waiting),
+            "num_preemptions": self.scheduler.num_preemptions,
+            "prefix_cache_query_tokens": kv.stats.queries,
+            "prefix_cache_hit_tokens": kv.stats.hits,
+            "kv_blocks_total": kv.num_blocks,
+            "kv_blocks_free": kv.get_num_free_blocks(),
+        }

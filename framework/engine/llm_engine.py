@@ -1,0 +1,165 @@
+"""The synchronous engine: validates and tokenizes requests, steps the engine core and turns
+its outputs into ``RequestOutput``s."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from dataclasses import replace
+from typing import Any
+
+from tokenmill.config import EngineConfig
+from tokenmill.core.kv_cache_utils import make_block_hasher
+from tokenmill.core.request import Request, RequestStatus
+from tokenmill.engine.engine_core import EngineCore
+from tokenmill.engine.output_processor import OutputProcessor
+from tokenmill.outputs import RequestOutput
+from tokenmill.sampling_params import SamplingParams
+
+PromptType = str | dict[str, Any]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config.finalize()
+        self.tokenizer = load_tokenizer(config.tokenizer or config.model_path)
+        self.engine_core = EngineCore(config)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.block_hasher = make_block_hasher(config.block_size)
+        self.eos_token_id = _eos_token_id(self.tokenizer, config.hf_config)
+        self.vocab_size = config.hf_config.vocab_size
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_engine_args(cls, **kwargs: Any) -> LLMEngine:
+        return cls(EngineConfig.from_kwargs(**kwargs))
+
+    def next_request_id(self) -> str:
+        return str(next(self._ids))
+
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """Return the prompt text (if any) and its token ids, or raise ``ValueError``."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                ids = prompt["prompt_token_ids"]
+                if not isinstance(ids, (list, tuple)) or not all(
+                    isinstance(t, int) and not isinstance(t, bool) for t in ids
+                ):
+                    raise ValueError("prompt_token_ids must be a list of integers")
+                text, ids = prompt.get("prompt"), list(ids)
+            elif "prompt" in prompt:
+                return self.tokenize_prompt(prompt["prompt"])
+            else:
+                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        elif isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer; pass {'prompt_token_ids': [...]}")
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            raise ValueError(f"prompt must be a str or a dict, got {type(prompt).__name__}")
+        self.validate_prompt_ids(ids)
+        return text, ids
+
+    def validate_prompt_ids(self, ids: list[int]) -> None:
+        if not ids:
+            raise ValueError("prompt is empty")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
+            )
+        limit = self.engine_core.max_prompt_tokens()
+        if len(ids) > limit:
+            raise ValueError(
+                f"prompt is {len(ids)} tokens; at most {limit} fit "
+                f"(max_model_len={self.config.max_model_len}, one token is kept for the output)"
+            )
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> None:
+        """Validate, tokenize and queue a request; ``n > 1`` runs as n child requests."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError("sampling_params must be a SamplingParams")
+        if request_id in self.output_processor.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, ids = self.tokenize_prompt(prompt)
+        arrival_time = arrival_time or time.monotonic()
+        child_ids = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
+        self.output_processor.add_request(request_id, text, ids, params, child_ids, arrival_time)
+        max_tokens = params.max_tokens or self.config.max_model_len - len(ids)
+        for i, child_id in enumerate(child_ids):
+            child_params = params
+            if params.n > 1:
+                seed = None if params.seed is None else params.seed + i
+                child_params = replace(params, n=1, seed=seed)
+            self.engine_core.add_request(
+                Request(
+                    child_id,
+                    ids,
+                    child_params,
+                    self.eos_token_id,
+                    max_tokens,
+                    arrival_time=arrival_time,
+                    priority=priority,
+                    block_hasher=self.block_hasher,
+                )
+            )
+
+    def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
+        """Abort requests at any point; their blocks are freed at once."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        children = [c for r in request_ids for c in self.output_processor.unfinished_children(r)]
+        self.engine_core.abort_requests(children)
+        return self.output_processor.abort(children)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; return the requests that got new tokens or finished."""
+        processed = self.output_processor.process(self.engine_core.step())
+        for child_id, stop_str in processed.stopped_by_string:
+            self.engine_core.scheduler.finish_requests(
+                [child_id], RequestStatus.FINISHED_STOPPED, stop_str
+            )
+        return processed.request_outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.engine_core.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.output_processor.requests)
+
+    def get_stats(self) -> dict[str, int]:
+        out = self.output_processor
+        return {
+            "num_requests_finished": out.num_requests_finished,
+            "num_generated_tokens": out.num_generated_tokens,
+            "num_prompt_tokens": out.num_prompt_tokens,
+            **self.engine_core.get_stats(),
+        }
+
+
+def load_tokenizer(path: str):
+    """The HF fast tokenizer in ``path``, or None when the directory has none."""
+    from transformers import AutoTokenizer
+
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    if not any(os.path.exists(os.path.join(path, n)) for n in names):
+        return None
+    return AutoTokenizer.from_pretrained(path)
+
+
+def _eos_token_id(tokenizer, hf_config) -> int | None:
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        return tokenizer.eos_token_id
+    eos = getattr(hf_config, "eos_token_id", None)
+    if isinstance(eos, list):
+        return eos[0] if eos else None
+    return eos

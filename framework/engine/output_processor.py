@@ -1,0 +1,160 @@
+"""Turns engine-core outputs into ``RequestOutput``s: detokenizes, matches stop strings, fans
+``n > 1`` completions back into their parent request and keeps the per-request metrics."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from transformers import PreTrainedTokenizerBase
+
+from tokenmill.core.scheduler import EngineCoreOutput
+from tokenmill.engine.detokenizer import IncrementalDetokenizer
+from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from tokenmill.sampling_params import SamplingParams
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    child_ids: list[str]
+    completions: list[CompletionOutput]
+    detokenizers: list[IncrementalDetokenizer | None]
+    metrics: RequestMetrics
+    num_cached_tokens: int = 0
+    num_unfinished: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.num_unfinished = len(self.completions)
+
+    def to_output(self) -> RequestOutput:
+        return RequestOutput(
+            self.request_id,
+            self.prompt,
+            self.prompt_token_ids,
+            self.completions,
+            self.num_unfinished == 0,
+            self.num_cached_tokens,
+            self.metrics,
+        )
+
+
+@dataclass
+class ProcessedOutputs:
+    request_outputs: list[RequestOutput]
+    stopped_by_string: list[tuple[str, str]]
+    """(child request id, stop string) pairs the engine core must finish."""
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase | None) -> None:
+        self.tokenizer = tokenizer
+        self.requests: dict[str, RequestState] = {}
+        self.child_to_parent: dict[str, tuple[RequestState, int]] = {}
+        self.num_requests_finished = 0
+        self.num_generated_tokens = 0
+        self.num_prompt_tokens = 0
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        child_ids: list[str],
+        arrival_time: float,
+    ) -> None:
+        detokenizers = [
+            IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
+            if self.tokenizer is not None
+            else None
+            for _ in child_ids
+        ]
+        completions = [
+            CompletionOutput(i, "", [], logprobs=[] if params.logprobs is not None else None)
+            for i in range(len(child_ids))
+        ]
+        state = RequestState(
+            request_id,
+            prompt,
+            prompt_token_ids,
+            child_ids,
+            completions,
+            detokenizers,
+            RequestMetrics(arrival_time),
+        )
+        self.requests[request_id] = state
+        for i, child_id in enumerate(child_ids):
+            self.child_to_parent[child_id] = (state, i)
+        self.num_prompt_tokens += len(prompt_token_ids) * len(child_ids)
+
+    def process(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
+        now = time.monotonic()
+        touched: dict[str, RequestState] = {}
+        stopped: list[tuple[str, str]] = []
+        for out in outputs:
+            entry = self.child_to_parent.get(out.req_id)
+            if entry is None:
+                continue
+            state, index = entry
+            completion = state.completions[index]
+            if state.metrics.first_token_time is None:
+                state.metrics.first_token_time = now
+            state.num_cached_tokens = out.num_cached_tokens
+            completion.token_ids.extend(out.new_token_ids)
+            self.num_generated_tokens += len(out.new_token_ids)
+            if completion.logprobs is not None and out.new_logprobs:
+                completion.logprobs.extend(out.new_logprobs)
+            finish_reason, stop_reason = out.finish_reason, out.stop_reason
+            detok = state.detokenizers[index]
+            if detok is not None:
+                stop_str = detok.update(out.new_token_ids, finish_reason == "stop")
+                completion.text = detok.output_text
+                if stop_str is not None and finish_reason is None:
+                    finish_reason, stop_reason = "stop", stop_str
+                    stopped.append((out.req_id, stop_str))
+            if finish_reason is not None:
+                self._finish_child(state, out.req_id, completion, finish_reason, stop_reason, now)
+            touched[state.request_id] = state
+        return ProcessedOutputs([s.to_output() for s in touched.values()], stopped)
+
+    def abort(self, child_ids: list[str]) -> list[RequestOutput]:
+        now = time.monotonic()
+        touched: dict[str, RequestState] = {}
+        for child_id in child_ids:
+            entry = self.child_to_parent.get(child_id)
+            if entry is None:
+                continue
+            state, index = entry
+            self._finish_child(state, child_id, state.completions[index], "abort", None, now)
+            touched[state.request_id] = state
+        return [s.to_output() for s in touched.values()]
+
+    def unfinished_children(self, request_id: str) -> list[str]:
+        state = self.requests.get(request_id)
+        if state is None:
+            return []
+        return [c for c in state.child_ids if c in self.child_to_parent]
+
+    def _finish_child(
+        self,
+        state: RequestState,
+        child_id: str,
+        completion: CompletionOutput,
+        finish_reason: str,
+        stop_reason: int | str | None,
+        now: float,
+    ) -> None:
+        completion.finish_reason = finish_reason
+        completion.stop_reason = stop_reason
+        del self.child_to_parent[child_id]
+        state.num_unfinished -= 1
+        if state.num_unfinished == 0:
+            state.metrics.finished_time = now
+            del self.requests[state.request_id]
+            self.num_requests_finished += 1
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)

@@ -1,0 +1,100 @@
+"""The offline entry point: ``LLM(...).generate(prompts)`` and ``.chat(messages)``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from tokenmill.config import EngineConfig
+from tokenmill.engine.llm_engine import LLMEngine, PromptType
+from tokenmill.outputs import RequestOutput
+from tokenmill.sampling_params import SamplingParams
+
+Message = dict[str, str]
+
+
+class LLM:
+    """An engine for offline batch generation. Arguments are those of DESIGN.md's public API
+    (``model=None`` is the embedded SmolLM2-135M-Instruct)."""
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        self.llm_engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs))
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate completions for every prompt; outputs come back in prompt order.
+
+        Invalid prompts or parameters raise ``ValueError`` before anything runs."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(
+                    f"got {len(params_list)} sampling_params for {len(prompts)} prompts"
+                )
+        engine = self.llm_engine
+        for prompt in prompts:
+            engine.tokenize_prompt(prompt)
+        ids = []
+        for prompt, params in zip(prompts, params_list):
+            request_id = engine.next_request_id()
+            engine.add_request(request_id, prompt, params)
+            ids.append(request_id)
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[Message] | list[list[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them and generate."""
+        tokenizer = self.get_tokenizer()
+        if tokenizer is None:
+            raise ValueError("this model has no tokenizer, so it has no chat template")
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        prompts = []
+        for conversation in conversations:
+            ids = tokenizer.apply_chat_template(
+                conversation,
+                add_generation_prompt=add_generation_prompt,
+                chat_template=chat_template,
+                tokenize=True,
+                return_dict=False,
+            )
+            text = tokenizer.decode(ids)
+            prompts.append({"prompt": text, "prompt_token_ids": list(ids)})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def get_stats(self) -> dict[str, int]:
+        return self.llm_engine.get_stats()
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        wanted = set(request_ids)
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm)
+        try:
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    if output.finished and output.request_id in wanted:
+                        finished[output.request_id] = output
+                        bar.update(1)
+        finally:
+            bar.close()
+        return [finished[r] for r in request_ids]

@@ -1,0 +1,39 @@
+"""RMSNorm with an optional fused residual add (vLLM semantics)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tokenmill.layers.build_context import current_build_context
+
+
+class RMSNorm(nn.Module):
+    """``x / rms(x) * weight``, computed in float32 and returned in the input dtype.
+
+    ``forward(x)`` returns the normed tensor. ``forward(x, residual)`` first forms
+    ``x + residual`` and returns ``(normed, x + residual)``: the sum is the next layer's
+    residual, so a decoder layer needs no separate add.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.variance_epsilon = eps
+        self.weight = nn.Parameter(
+            torch.ones(hidden_size, dtype=current_build_context().dtype), requires_grad=False
+        )
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        orig_dtype = x.dtype
+        x = x.float()
+        if residual is not None:
+            x = x + residual.float()
+            residual = x.to(orig_dtype)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        x = x.to(orig_dtype) * self.weight
+        return x if residual is None else (x, residual)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.variance_epsilon}"

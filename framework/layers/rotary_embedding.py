@@ -1,0 +1,187 @@
+"""Rotary position embeddings with a cos/sin cache indexed by token position."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies RoPE to flat ``q`` [T, H*D] and ``k`` [T, KVH*D] at ``positions`` [T].
+
+    The first ``rotary_dim`` features of each head rotate; the rest pass through.
+    ``is_neox_style`` rotates the two halves of those features (Llama, GPT-NeoX); otherwise
+    interleaved pairs (GPT-J).
+    """
+
+    def __init__(
+        self,
+        head_size: int,
+        rotary_dim: int,
+        max_position: int,
+        base: float,
+        is_neox_style: bool = True,
+    ) -> None:
+        super().__init__()
+        self.head_size = head_size
+        self.rotary_dim = rotary_dim
+        self.max_position = max_position
+        self.base = base
+        self.is_neox_style = is_neox_style
+        self.register_buffer("cos_sin_cache", self._compute_cos_sin_cache(), persistent=False)
+
+    def _compute_inv_freq(self) -> torch.Tensor:
+        exponents = torch.arange(0, self.rotary_dim, 2, dtype=torch.float32) / self.rotary_dim
+        return 1.0 / (self.base**exponents)
+
+    def _compute_cos_sin_cache(self) -> torch.Tensor:
+        """[max_position, rotary_dim]: cos of every frequency, then sin."""
+        inv_freq = self._compute_inv_freq()
+        t = torch.arange(self.max_position, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)
+        return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.view(shape[0], -1, self.head_size)
+        rot, passthrough = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
+        if self.is_neox_style:
+            x1, x2 = rot.chunk(2, dim=-1)
+        else:
+            x1, x2 = rot[..., ::2], rot[..., 1::2]
+        o1 = x1 * cos - x2 * sin
+        o2 = x2 * cos + x1 * sin
+        if self.is_neox_style:
+            rot = torch.cat((o1, o2), dim=-1)
+        else:
+            rot = torch.stack((o1, o2), dim=-1).flatten(-2)
+        return torch.cat((rot, passthrough), dim=-1).reshape(shape)
+
+    def forward(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.cos_sin_cache[positions].to(query.dtype).unsqueeze(-2).chunk(2, dim=-1)
+        return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
+
+    def extra_repr(self) -> str:
+        return (
+            f"head_size={self.head_size}, rotary_dim={self.rotary_dim}, "
+            f"max_position={self.max_position}, base={self.base}, neox={self.is_neox_style}"
+        )
+
+
+class LinearScalingRotaryEmbedding(RotaryEmbedding):
+    """Positions divided by ``factor`` (position interpolation)."""
+
+    def __init__(self, *args: Any, factor: float, **kwargs: Any) -> None:
+        self.factor = factor
+        super().__init__(*args, **kwargs)
+
+    def _compute_inv_freq(self) -> torch.Tensor:
+        return super()._compute_inv_freq() / self.factor
+
+
+class Llama3RotaryEmbedding(RotaryEmbedding):
+    """Llama 3.1 frequency scaling: long wavelengths slowed by ``factor``, short ones kept,
+    a smooth blend between ``low_freq_factor`` and ``high_freq_factor``."""
+
+    def __init__(
+        self,
+        *args: Any,
+        factor: float,
+        low_freq_factor: float,
+        high_freq_factor: float,
+        original_max_position_embeddings: int,
+        **kwargs: Any,
+    ) -> None:
+        self.factor = factor
+        self.low_freq_factor = low_freq_factor
+        self.high_freq_factor = high_freq_factor
+        self.original_max_position = original_max_position_embeddings
+        super().__init__(*args, **kwargs)
+
+    def _compute_inv_freq(self) -> torch.Tensor:
+        inv_freq = super()._compute_inv_freq()
+        low_freq_wavelen = self.original_max_position / self.low_freq_factor
+        high_freq_wavelen = self.original_max_position / self.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        if self.low_freq_factor != self.high_freq_factor:
+            smooth = (self.original_max_position / wavelen - self.low_freq_factor) / (
+                self.high_freq_factor - self.low_freq_factor
+            )
+        else:
+            smooth = torch.zeros_like(inv_freq)
+        blended = (1 - smooth) * inv_freq / self.factor + smooth * inv_freq
+        return torch.where(
+            wavelen < high_freq_wavelen,
+            inv_freq,
+            torch.where(wavelen > low_freq_wavelen, inv_freq / self.factor, blended),
+        )
+
+
+def rope_config(config: Any) -> tuple[float, dict[str, Any] | None]:
+    """``(rope_theta, rope_scaling)`` from a HF config of any transformers version.
+
+    transformers >= 5 keeps everything in ``config.rope_parameters`` (``rope_theta``,
+    ``rope_type`` and the scaling keys); older versions use ``config.rope_theta`` and
+    ``config.rope_scaling``. ``rope_scaling`` is None for plain RoPE.
+    """
+    params = getattr(config, "rope_parameters", None)
+    if params:
+        scaling = dict(params)
+        theta = scaling.pop("rope_theta", None) or getattr(config, "rope_theta", None)
+    else:
+        scaling = dict(getattr(config, "rope_scaling", None) or {})
+        theta = getattr(config, "rope_theta", None)
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    return float(theta or 10000.0), (None if rope_type == "default" else scaling)
+
+
+_ROPE_CACHE: dict[tuple, RotaryEmbedding] = {}
+
+
+def get_rope(
+    head_size: int,
+    rotary_dim: int,
+    max_position: int,
+    base: float,
+    rope_scaling: dict[str, Any] | None = None,
+    is_neox_style: bool = True,
+) -> RotaryEmbedding:
+    """A rotary embedding for the given settings, shared by every layer that asks for the same
+    settings on the same device (the cos/sin cache can be large)."""
+    scaling = dict(rope_scaling or {})
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    key = (
+        head_size,
+        rotary_dim,
+        max_position,
+        base,
+        tuple(sorted((k, str(v)) for k, v in scaling.items())),
+        is_neox_style,
+        str(torch.get_default_device()),
+    )
+    if key in _ROPE_CACHE:
+        return _ROPE_CACHE[key]
+    args = (head_size, rotary_dim, max_position, base, is_neox_style)
+    if rope_type == "default":
+        rope = RotaryEmbedding(*args)
+    elif rope_type == "linear":
+        rope = LinearScalingRotaryEmbedding(*args, factor=scaling["factor"])
+    elif rope_type == "llama3":
+        rope = Llama3RotaryEmbedding(
+            *args,
+            factor=scaling["factor"],
+            low_freq_factor=scaling["low_freq_factor"],
+            high_freq_factor=scaling["high_freq_factor"],
+            original_max_position_embeddings=scaling["original_max_position_embeddings"],
+        )
+    else:
+        raise NotImplementedError(
+            f"rope_type {rope_type!r} is not supported; supported: default, linear, llama3"
+        )
+    _ROPE_CACHE[key] = rope
+    return rope

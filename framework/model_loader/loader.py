@@ -1,0 +1,60 @@
+"""Building a registered model from a HF checkpoint directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import AutoConfig, PretrainedConfig
+
+from tokenmill.interfaces.model import ModelRegistry
+from tokenmill.interfaces.quantization import LinearMethod
+from tokenmill.layers.build_context import BuildContext, model_build_context
+from tokenmill.model_loader.weights import iter_weights
+
+
+def load_hf_config(model_dir: str | Path) -> PretrainedConfig:
+    """The checkpoint's ``config.json`` as a transformers config."""
+    root = Path(model_dir)
+    if not root.is_dir():
+        raise FileNotFoundError(f"model directory {str(model_dir)!r} does not exist")
+    if not (root / "config.json").is_file():
+        raise FileNotFoundError(f"model directory {str(model_dir)!r} has no config.json")
+    return AutoConfig.from_pretrained(root)
+
+
+def load_model(
+    model_dir: str | Path,
+    hf_config: PretrainedConfig,
+    build_ctx: BuildContext,
+    device: torch.device | str,
+) -> nn.Module:
+    """Build the registered class for ``hf_config.architectures`` on ``device`` in
+    ``build_ctx.dtype``, load the checkpoint into it and return it in eval mode.
+
+    A model whose ``load_weights`` returns the set of parameter names it loaded is checked
+    for parameters the checkpoint left uninitialised.
+    """
+    model_cls, arch = ModelRegistry.resolve(getattr(hf_config, "architectures", None))
+    previous_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(build_ctx.dtype)
+    try:
+        with model_build_context(build_ctx), torch.device(device):
+            model = model_cls(hf_config, prefix="")
+    finally:
+        torch.set_default_dtype(previous_dtype)
+
+    # Quantization methods get checkpoint tensors as stored (scales keep their precision).
+    dtype = build_ctx.dtype if build_ctx.quant_method is None else None
+    with torch.no_grad():
+        loaded = model.load_weights(iter_weights(model_dir, dtype))
+        if isinstance(loaded, set):
+            missing = sorted(set(dict(model.named_parameters())) - loaded)
+            if missing:
+                raise ValueError(f"{arch} checkpoint in {model_dir} lacks weights: {missing}")
+        for module in model.modules():
+            method = getattr(module, "linear_method", None)
+            if isinstance(method, LinearMethod):
+                method.process_weights_after_loading(module)
+    return model.eval()

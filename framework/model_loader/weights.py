@@ -1,0 +1,62 @@
+"""Iterating the tensors of a HF safetensors checkpoint."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+_CONVERTIBLE = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def safetensors_files(model_dir: str | Path) -> list[Path]:
+    """The checkpoint's files: those the sharded index names, else ``model.safetensors``, else
+    every ``*.safetensors`` in the directory."""
+    root = Path(model_dir)
+    index = root / INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = [root / name for name in dict.fromkeys(weight_map.values())]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise FileNotFoundError(f"{index} names shards that do not exist: {missing}")
+        return files
+    if (root / SINGLE_FILE).is_file():
+        return [root / SINGLE_FILE]
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {root}")
+    return files
+
+
+def iter_weights(
+    model_dir: str | Path, dtype: torch.dtype | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, tensor)`` for every tensor of the checkpoint, one at a time, on the CPU.
+
+    With ``dtype``, 16/32-bit float tensors are converted as they are read; other dtypes
+    (integer or fp8 quantized weights) are left as stored.
+    """
+    for path in safetensors_files(model_dir):
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                tensor = f.get_tensor(name)
+                if dtype is not None and tensor.dtype in _CONVERTIBLE:
+                    tensor = tensor.to(dtype)
+                yield name, tensor
+
+
+def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
+    """Copy a whole checkpoint tensor into a parameter of the same shape."""
+    if param.shape != loaded_weight.shape:
+        raise ValueError(
+            f"checkpoint tensor has shape {tuple(loaded_weight.shape)}, "
+            f"parameter has {tuple(param.shape)}"
+        )
+    param.data.copy_(loaded_weight)

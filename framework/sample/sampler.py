@@ -1,0 +1,181 @@
+"""Batched token sampling from float32 logits, with vLLM V1's semantics.
+
+Order of operations for a batch of logits ``[B, V]``:
+
+1. suppression: forbidden token ids (``min_tokens`` not yet reached) get ``-inf``;
+2. logprobs, when asked, from ``log_softmax`` of these logits (before temperature etc.);
+3. greedy rows take the argmax; random rows divide by their temperature, apply min-p,
+   then top-k, then top-p (renormalising after each), take the softmax and draw with the
+   exponential race ``argmax(probs / q)``, ``q ~ Exponential(1)``, which samples from
+   ``probs`` exactly. Seeded rows draw ``q`` from their own generator, so their samples do
+   not depend on the batch they are in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tokenmill.sampling_params import GREEDY_TEMPERATURE_EPS
+
+
+@dataclass
+class SamplingMetadata:
+    """Per-row sampling settings of one batch, as tensors on the logits' device.
+
+    Attributes:
+        temperature: ``[B]`` float32; rows below 1e-5 (0) are greedy.
+        all_greedy: every row is greedy.
+        all_random: no row is greedy.
+        top_p: ``[B]`` float32 (1.0 where off); None when no row uses it.
+        top_k: ``[B]`` int64 (V where off); None when no row uses it.
+        min_p: ``[B]`` float32 (0.0 where off); None when no row uses it.
+        generators: row -> generator of a seeded request (on the logits' device).
+        max_num_logprobs: largest top-N any row asks for; None when no row wants logprobs.
+        suppress_token_ids: row -> token ids that row may not sample (EOS and
+            ``stop_token_ids`` while ``min_tokens`` is not reached).
+    """
+
+    temperature: torch.Tensor
+    all_greedy: bool
+    all_random: bool
+    top_p: torch.Tensor | None
+    top_k: torch.Tensor | None
+    min_p: torch.Tensor | None
+    generators: dict[int, torch.Generator]
+    max_num_logprobs: int | None
+    suppress_token_ids: dict[int, list[int]]
+
+
+@dataclass
+class SamplerOutput:
+    """Sampled tokens of one batch and, when asked, their log-probabilities.
+
+    Attributes:
+        sampled_token_ids: ``[B]`` int64.
+        logprob_token_ids: ``[B, 1 + N]`` int64: the sampled token, then the top-N tokens
+            by log-probability (descending), ``N = max_num_logprobs``.
+        logprobs: ``[B, 1 + N]`` float32 log-probabilities of ``logprob_token_ids``.
+    """
+
+    sampled_token_ids: torch.Tensor
+    logprob_token_ids: torch.Tensor | None = None
+    logprobs: torch.Tensor | None = None
+
+
+class Sampler(nn.Module):
+    """Samples one token per row of ``logits`` (see the module docstring for the order)."""
+
+    def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        logits = apply_suppression(logits.to(torch.float32), metadata.suppress_token_ids)
+        raw_logprobs = logits.log_softmax(dim=-1) if metadata.max_num_logprobs is not None else None
+        if metadata.all_greedy:
+            sampled = logits.argmax(dim=-1)
+        else:
+            sampled = exponential_race(compute_probs(logits, metadata), metadata.generators)
+        if raw_logprobs is None:
+            return SamplerOutput(sampled)
+        token_ids, logprobs = gather_logprobs(raw_logprobs, sampled, metadata.max_num_logprobs)
+        return SamplerOutput(sampled, token_ids, logprobs)
+
+
+def apply_suppression(logits: torch.Tensor, suppress_token_ids: dict[int, list[int]]) -> torch.Tensor:
+    """Return ``logits`` with each row's forbidden token ids set to ``-inf`` (a new tensor).
+
+    Ids outside the vocabulary are ignored: they can never be sampled anyway.
+    """
+    vocab_size = logits.shape[-1]
+    pairs = [(row, t) for row, ids in suppress_token_ids.items() for t in ids if t < vocab_size]
+    if not pairs:
+        return logits
+    index = torch.tensor(pairs, dtype=torch.long, device=logits.device).T
+    return logits.index_put((index[0], index[1]), torch.tensor(float("-inf"), device=logits.device))
+
+
+def compute_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """Return the distribution each row's token is drawn from, ``[B, V]`` float32.
+
+    Random rows: ``softmax(logits / temperature)`` restricted by min-p, then top-k, then top-p
+    (masked tokens get probability 0). Greedy rows: one-hot at the argmax, so that the
+    speculative-decoding rejection sampler can treat every row alike. ``logits`` are the
+    float32 logits after suppression and are not modified.
+    """
+    temperature = metadata.temperature
+    greedy = None
+    if not metadata.all_random:
+        greedy = temperature < GREEDY_TEMPERATURE_EPS
+        temperature = torch.where(greedy, 1.0, temperature)
+    scaled = logits / temperature.unsqueeze(1)
+    if metadata.min_p is not None:
+        apply_min_p_(scaled, metadata.min_p)
+    if metadata.top_k is not None or metadata.top_p is not None:
+        scaled = apply_top_k_top_p(scaled, metadata.top_k, metadata.top_p)
+    probs = scaled.softmax(dim=-1)
+    if greedy is not None:
+        greedy = greedy.unsqueeze(1)
+        argmax = logits.argmax(dim=-1, keepdim=True)
+        kept = torch.where(greedy, 1.0, probs.gather(1, argmax))
+        probs.masked_fill_(greedy, 0.0).scatter_(1, argmax, kept)
+    return probs
+
+
+def apply_min_p_(logits: torch.Tensor, min_p: torch.Tensor) -> None:
+    """In place: mask tokens whose probability is below ``min_p`` times the row's largest.
+
+    Done in log space: ``p_i < min_p * p_max`` iff ``logit_i < logit_max + log(min_p)``.
+    """
+    threshold = logits.amax(dim=-1, keepdim=True) + min_p.log().unsqueeze(1)
+    logits.masked_fill_(logits < threshold, float("-inf"))
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
+    """Return ``logits`` with tokens outside each row's top-k, then outside its top-p, masked.
+
+    One ascending sort serves both. Top-k keeps every token tied with the k-th largest.
+    Top-p keeps the smallest set of largest tokens whose probability (after top-k) sums
+    to at least p.
+    """
+    logits_sort, logits_idx = logits.sort(dim=-1, descending=False)
+    vocab_size = logits.shape[-1]
+    if top_k is not None:
+        kth_pos = (vocab_size - top_k.clamp(1, vocab_size)).unsqueeze(1)
+        kth_value = logits_sort.gather(1, kth_pos)
+        logits_sort.masked_fill_(logits_sort < kth_value, float("-inf"))
+    if top_p is not None:
+        cum_probs = logits_sort.softmax(dim=-1).cumsum_(dim=-1)
+        top_p_mask = cum_probs <= 1 - top_p.unsqueeze(1)
+        top_p_mask[:, -1] = False
+        logits_sort.masked_fill_(top_p_mask, float("-inf"))
+    return torch.empty_like(logits_sort).scatter_(-1, logits_idx, logits_sort)
+
+
+def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """Sample one token per row of ``probs`` as ``argmax(probs / q)``, ``q ~ Exponential(1)``.
+
+    Rows in ``generators`` draw their ``q`` from their own generator, the others from the
+    default RNG in one call. ``q`` is clamped away from 0 so that a masked token
+    (probability 0) can never win through ``0 / 0 = nan``. Overwrites ``probs``.
+    """
+    q = torch.empty_like(probs)
+    if len(generators) != probs.shape[0]:
+        q.exponential_()
+    for row, generator in generators.items():
+        q[row].exponential_(generator=generator)
+    q.clamp_min_(torch.finfo(q.dtype).tiny)
+    return probs.div_(q).argmax(dim=-1)
+
+
+def gather_logprobs(
+    logprobs: torch.Tensor, token_ids: torch.Tensor, num_logprobs: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return ``([B, 1 + N] ids, [B, 1 + N] logprobs)``: the sampled token's, then the top-N."""
+    token_ids = token_ids.unsqueeze(1)
+    token_logprobs = logprobs.gather(1, token_ids)
+    if num_logprobs == 0:
+        return token_ids, token_logprobs
+    top_logprobs, top_ids = logprobs.topk(num_logprobs, dim=-1)
+    return torch.cat([token_ids, top_ids], dim=1), torch.cat([token_logprobs, top_logprobs], dim=1)

@@ -1,0 +1,166 @@
+"""Sampling parameters of one request (the public ``SamplingParams``)."""
+
+from __future__ import annotations
+
+import copy
+import math
+import numbers
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any
+
+GREEDY_TEMPERATURE_EPS = 1e-5
+"""Temperatures below this are greedy (vLLM's ``_SAMPLING_EPS``)."""
+
+MAX_LOGPROBS = 20
+"""Largest ``logprobs`` (top-N) a request may ask for."""
+
+
+class SamplingType(IntEnum):
+    """How a request's tokens are drawn: argmax, or at random from the shared or its own RNG."""
+
+    GREEDY = 0
+    RANDOM = 1
+    RANDOM_SEED = 2
+
+
+@dataclass
+class SamplingParams:
+    """How to sample the completion of one request.
+
+    Attributes:
+        n: number of completions to generate for the prompt.
+        temperature: softmax temperature; 0 (anything below 1e-5) means greedy.
+        top_p: nucleus sampling: keep the smallest set of most likely tokens whose
+            probability sums to at least ``top_p``. 1 = off.
+        top_k: keep only the ``top_k`` most likely tokens. 0 or -1 = off (-1 is stored as 0).
+        min_p: drop tokens whose probability is below ``min_p`` times the most likely one's.
+        seed: seed of this request's own random generator, which makes its samples
+            independent of the batch it runs in.
+        max_tokens: most tokens to generate; None = up to the model's length.
+        min_tokens: tokens to generate before EOS, ``stop_token_ids`` or ``stop`` may end it.
+        stop: strings that end generation; the output is cut before the match
+            (after it with ``include_stop_str_in_output``). Normalised to a list.
+        stop_token_ids: token ids that end generation. Normalised to a list.
+        ignore_eos: keep generating after the EOS token.
+        logprobs: return the log-probabilities of the sampled token and of the ``logprobs``
+            most likely tokens at each position (0 = only the sampled token's).
+        skip_special_tokens: leave special tokens out of the output text.
+        include_stop_str_in_output: keep a matched stop string in the output text.
+
+    Greedy requests (temperature 0) ignore ``top_p``, ``top_k`` and ``min_p``, which are
+    reset to their off values. Invalid values raise ``ValueError`` naming the field.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        self.n = _check_int("n", self.n, minimum=1)
+        self.temperature = _check_float("temperature", self.temperature)
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        self.top_p = _check_float("top_p", self.top_p)
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        self.top_k = _check_int("top_k", self.top_k, minimum=-1)
+        self.min_p = _check_float("min_p", self.min_p)
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.seed is not None:
+            self.seed = _check_int("seed", self.seed)
+            if not -(2**63) <= self.seed < 2**64:
+                raise ValueError(f"seed must fit in 64 bits, got {self.seed}")
+        if self.max_tokens is not None:
+            self.max_tokens = _check_int("max_tokens", self.max_tokens, minimum=1)
+        self.min_tokens = _check_int("min_tokens", self.min_tokens, minimum=0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
+            )
+        if self.logprobs is not None:
+            self.logprobs = _check_int("logprobs", self.logprobs, minimum=0)
+            if self.logprobs > MAX_LOGPROBS:
+                raise ValueError(f"logprobs must be <= {MAX_LOGPROBS}, got {self.logprobs}")
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        self.stop = _normalise_stop(self.stop)
+        self.stop_token_ids = _normalise_stop_token_ids(self.stop_token_ids)
+
+        if self.top_k == -1:
+            self.top_k = 0
+        if self.is_greedy:
+            if self.n > 1:
+                raise ValueError(f"n must be 1 when using greedy sampling (temperature=0), got {self.n}")
+            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE_EPS
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        if self.is_greedy:
+            return SamplingType.GREEDY
+        return SamplingType.RANDOM if self.seed is None else SamplingType.RANDOM_SEED
+
+    def clone(self) -> SamplingParams:
+        """A deep copy, so per-request changes never touch a params object shared by a batch."""
+        return copy.deepcopy(self)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _check_int(name: str, value: Any, minimum: int | None = None) -> int:
+    """Return ``value`` as an ``int`` (numpy integers included); bools and floats are rejected."""
+    if not _is_int(value):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+def _check_float(name: str, value: Any) -> float:
+    """Return ``value`` as a ``float``; it must be a finite real number (not a bool or a string)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _normalise_stop(stop: Any) -> list[str]:
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, (list, tuple)):
+        raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
+    for s in stop:
+        if not isinstance(s, str) or not s:
+            raise ValueError(f"stop must contain only non-empty strings, got {s!r}")
+    return list(stop)
+
+
+def _normalise_stop_token_ids(ids: Any) -> list[int]:
+    if ids is None:
+        return []
+    if not isinstance(ids, (list, tuple)):
+        raise ValueError(f"stop_token_ids must be a list of ints, got {ids!r}")
+    for i in ids:
+        if not _is_int(i) or i < 0:
+            raise ValueError(f"stop_token_ids must contain only non-negative ints, got {i!r}")
+    return [int(i) for i in ids]

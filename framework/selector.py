@@ -1,0 +1,68 @@
+"""Choosing the platform and the attention backend."""
+
+from __future__ import annotations
+
+import os
+
+from tokenmill import plugins
+from tokenmill.interfaces.attention import AttentionBackend, AttentionConfig
+from tokenmill.interfaces.platform import Platform
+
+
+def select_platform(name: str | None = None) -> type[Platform]:
+    """The named platform (argument, else ``TOKENMILL_PLATFORM``), else auto-detection: an
+    available out-of-tree platform wins over the built-ins, then ``detection_priority``."""
+    registry = plugins.get_registry("platforms")
+    name = name or os.environ.get("TOKENMILL_PLATFORM") or None
+    if name is not None:
+        platform = registry.load(name)
+        if not platform.is_available():
+            raise ValueError(f"platform {name!r} is not available on this machine")
+        return platform
+    candidates = []
+    for reg in registry.entries.values():
+        platform = reg.load()
+        if platform.is_available():
+            builtin = reg.distribution == "tokenmill"
+            candidates.append((not builtin, platform.detection_priority, reg.name, platform))
+    if not candidates:
+        raise RuntimeError(f"no available platform among {', '.join(registry.names()) or 'none'}")
+    return max(candidates, key=lambda c: c[:3])[3]
+
+
+def select_attention_backend(
+    platform: type[Platform], config: AttentionConfig, name: str | None = None
+) -> type[AttentionBackend]:
+    """The named backend (argument, else ``TOKENMILL_ATTENTION_BACKEND``) if it can serve
+    ``config``, else the platform's candidates in order. Never silently substitutes: an explicit
+    choice that cannot serve is an error with its reasons, and when no candidate fits the error
+    lists each one with its reasons."""
+    registry = plugins.get_registry("attention_backends")
+    name = name or os.environ.get("TOKENMILL_ATTENTION_BACKEND") or None
+    if name is not None:
+        reasons = backend_reasons(name, config)
+        if reasons:
+            raise ValueError(f"attention backend {name!r} cannot be used: {'; '.join(reasons)}")
+        return registry.load(name)
+    candidates = platform.get_attn_backend_candidates(config)
+    report = []
+    for candidate in candidates:
+        reasons = backend_reasons(candidate, config)
+        if not reasons:
+            return registry.load(candidate)
+        report.append(f"{candidate}: {'; '.join(reasons)}")
+    raise ValueError(
+        f"no attention backend of platform {platform.name!r} can serve {config}: "
+        + (" | ".join(report) or "the platform lists no candidates")
+    )
+
+
+def backend_reasons(name: str, config: AttentionConfig) -> list[str]:
+    """Why backend ``name`` cannot serve ``config`` (an import failure is a reason too)."""
+    registry = plugins.get_registry("attention_backends")
+    registry.get(name)
+    try:
+        backend = registry.load(name)
+    except plugins.PluginError as e:
+        return [str(e.__cause__ or e)]
+    return backend.validate_configuration(config)

@@ -1,0 +1,277 @@
+"""The model runner: turns one ``SchedulerOutput`` into one forward pass and samples.
+
+All scheduled tokens of all requests are flattened into one batch (input ids, positions, slot
+mapping, block table, query start locations, sequence lengths); the attention backend's metadata
+is built once for the step; the model runs once; the rows whose scheduled chunk reaches the end
+of their known tokens are sampled. Rows still in the middle of a chunked prefill sample nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from tokenmill.config import EngineConfig
+from tokenmill.core.kv_cache_spec import KVCacheSpec
+from tokenmill.core.scheduler_output import SchedulerOutput
+from tokenmill.forward_context import set_forward_context
+from tokenmill.interfaces.attention import (
+    AttentionBackend,
+    AttentionConfig,
+    CommonAttentionMetadata,
+)
+from tokenmill.layers.attention import Attention
+from tokenmill.layers.build_context import BuildContext
+from tokenmill.model_loader.loader import load_model
+from tokenmill.sample.sampler import Sampler, SamplingMetadata
+from tokenmill.selector import select_attention_backend
+from tokenmill.worker.input_batch import CachedRequestState, InputBatch
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Sampled tokens (and logprobs when asked) of the requests that sampled this step."""
+
+    sampled_token_ids: dict[str, list[int]]
+    logprobs: dict[str, list[dict[int, float]]]
+
+
+@dataclass
+class _PreemptedState:
+    """What a preempted request keeps on the worker while its row is given back: its tokens
+    and its generator, so a resumed seeded request continues its random stream."""
+
+    token_ids: list[int]
+    state: CachedRequestState
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, device: torch.device) -> None:
+        self.config = config
+        self.device = device
+        self.block_size = config.block_size
+        attn_config = AttentionConfig(
+            head_size=_head_size(config.hf_config),
+            dtype=config.torch_dtype,
+            kv_cache_dtype=config.kv_cache_dtype,
+            block_size=config.block_size,
+            device_type=config.platform_cls.device_type,
+        )
+        self.attn_backend: type[AttentionBackend] = select_attention_backend(
+            config.platform_cls, attn_config, config.attention_backend
+        )
+        self.sampler = Sampler()
+        self.model: nn.Module | None = None
+        self.kv_caches: dict[str, torch.Tensor] = {}
+        self.preempted: dict[str, _PreemptedState] = {}
+        self.batch: InputBatch | None = None
+        self.metadata_builder = None
+
+    def load_model(self) -> None:
+        quant = None
+        if self.config.quantization is not None:
+            from tokenmill import plugins
+
+            method_cls = plugins.get_registry("quantization_methods").load(self.config.quantization)
+            quant = method_cls.from_config(
+                getattr(self.config.hf_config, "quantization_config", None) or {}
+            )
+        ctx = BuildContext(self.attn_backend, self.config.torch_dtype, quant, self.config.kv_cache_dtype)
+        self.model = load_model(self.config.model_path, self.config.hf_config, ctx, self.device)
+
+    def attention_layers(self) -> dict[str, Attention]:
+        assert self.model is not None
+        return {m.layer_name: m for m in self.model.modules() if isinstance(m, Attention)}
+
+    def get_kv_cache_specs(self) -> dict[str, KVCacheSpec]:
+        return {
+            name: layer.get_kv_cache_spec(self.block_size, self.config.torch_dtype)
+            for name, layer in self.attention_layers().items()
+        }
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate every layer's cache in its backend's layout and the per-request buffers."""
+        specs = self.get_kv_cache_specs()
+        for name, layer in self.attention_layers().items():
+            shape = layer.backend.get_kv_cache_shape(
+                num_blocks, self.block_size, layer.num_kv_heads, layer.head_size
+            )
+            self.kv_caches[name] = torch.empty(shape, dtype=specs[name].dtype, device=self.device)
+        first_spec = next(iter(specs.values()))
+        self.metadata_builder = self.attn_backend.get_metadata_builder_cls()(first_spec, self.device)
+        max_blocks = -(-self.config.max_model_len // self.block_size)
+        self.batch = InputBatch(self.config.max_num_seqs, self.config.max_model_len, max_blocks)
+
+    def _update_states(self, out: SchedulerOutput) -> None:
+        batch = self.batch
+        assert batch is not None
+        for req_id in out.finished_req_ids:
+            batch.remove(req_id)
+            self.preempted.pop(req_id, None)
+        for req_id in out.preempted_req_ids:
+            state = batch.remove(req_id)
+            if state is not None:
+                self.preempted[req_id] = _PreemptedState(batch.token_list(state.row), state)
+        for new in out.scheduled_new_reqs:
+            params = new.sampling_params
+            generator = None
+            if params.seed is not None:
+                generator = torch.Generator(device=self.device)
+                generator.manual_seed(params.seed)
+            batch.add(
+                new.req_id,
+                new.prompt_token_ids,
+                len(new.prompt_token_ids),
+                new.block_ids,
+                new.num_computed_tokens,
+                params,
+                generator,
+                _min_tokens_suppress(params, new.eos_token_id),
+            )
+        cached = out.scheduled_cached_reqs
+        for req_id, resumed, block_ids, num_computed in zip(
+            cached.req_ids, cached.resumed_from_preemption, cached.new_block_ids, cached.num_computed_tokens
+        ):
+            if resumed:
+                saved = self.preempted.pop(req_id)
+                old = saved.state
+                batch.add(
+                    req_id,
+                    saved.token_ids,
+                    old.num_prompt_tokens,
+                    block_ids,
+                    num_computed,
+                    old.sampling_params,
+                    old.generator,
+                    old.min_tokens_suppress,
+                )
+                continue
+            state = batch.requests[req_id]
+            batch.append_blocks(state.row, block_ids)
+            batch.num_computed_tokens[state.row] = num_computed
+
+    @torch.inference_mode()
+    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(out)
+        if out.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput({}, {})
+        batch = self.batch
+        assert batch is not None and self.model is not None
+        req_ids = list(out.num_scheduled_tokens)
+        rows = np.array([batch.requests[r].row for r in req_ids], dtype=np.int64)
+        num_sched = np.array([out.num_scheduled_tokens[r] for r in req_ids], dtype=np.int64)
+        cu = np.cumsum(num_sched)
+        starts = cu - num_sched
+        token_req = np.repeat(np.arange(len(req_ids)), num_sched)
+        token_rows = rows[token_req]
+        num_computed = batch.num_computed_tokens[rows]
+        positions = num_computed[token_req] + np.arange(cu[-1]) - starts[token_req]
+        input_ids = batch.token_ids[token_rows, positions]
+        bs = self.block_size
+        slot_mapping = batch.block_table[token_rows, positions // bs] * bs + positions % bs
+        seq_lens = num_computed + num_sched
+        batch.num_computed_tokens[rows] = seq_lens
+
+        max_blocks = int(batch.num_blocks[rows].max())
+        common = CommonAttentionMetadata(
+            query_start_loc=self._tensor(np.concatenate(([0], cu)), torch.int32),
+            query_start_loc_cpu=torch.from_numpy(np.concatenate(([0], cu)).astype(np.int32)),
+            seq_lens=self._tensor(seq_lens, torch.int32),
+            seq_lens_cpu=torch.from_numpy(seq_lens.astype(np.int32)),
+            num_computed_tokens_cpu=torch.from_numpy(num_computed.astype(np.int32)),
+            block_table=self._tensor(batch.block_table[rows, :max_blocks], torch.int32),
+            slot_mapping=self._tensor(slot_mapping, torch.int64),
+            num_reqs=len(req_ids),
+            num_actual_tokens=int(cu[-1]),
+            max_query_len=int(num_sched.max()),
+            max_seq_len=int(seq_lens.max()),
+        )
+        attn_metadata = self.metadata_builder.build(common)
+        with set_forward_context(attn_metadata, self.kv_caches):
+            hidden = self.model(
+                self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64)
+            )
+
+        sampling = np.nonzero(seq_lens >= batch.num_tokens[rows])[0]
+        if len(sampling) == 0:
+            return ModelRunnerOutput({}, {})
+        logits = self.model.compute_logits(hidden[self._tensor(cu[sampling] - 1, torch.int64)])
+        sample_rows = rows[sampling]
+        sampler_out = self.sampler(logits, self._sampling_metadata(req_ids, sampling, sample_rows))
+        sampled = sampler_out.sampled_token_ids.cpu().numpy()
+        batch.token_ids[sample_rows, batch.num_tokens[sample_rows]] = sampled
+        batch.num_tokens[sample_rows] += 1
+
+        sampled_ids = {req_ids[i]: [int(t)] for i, t in zip(sampling, sampled)}
+        return ModelRunnerOutput(sampled_ids, self._logprobs(req_ids, sampling, sampler_out))
+
+    def _tensor(self, array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(array)).to(device=self.device, dtype=dtype)
+
+    def _sampling_metadata(
+        self, req_ids: list[str], sampling: np.ndarray, rows: np.ndarray
+    ) -> SamplingMetadata:
+        batch = self.batch
+        assert batch is not None
+        temperature = batch.temperature[rows]
+        greedy = temperature < 1e-5
+        top_p, top_k, min_p = batch.top_p[rows], batch.top_k[rows], batch.min_p[rows]
+        vocab = self.config.hf_config.vocab_size
+        generators: dict[int, torch.Generator] = {}
+        suppress: dict[int, list[int]] = {}
+        max_logprobs: int | None = None
+        for i, idx in enumerate(sampling):
+            state = batch.requests[req_ids[idx]]
+            params = state.sampling_params
+            if state.generator is not None and not greedy[i]:
+                generators[i] = state.generator
+            if params.logprobs is not None:
+                max_logprobs = max(max_logprobs or 0, params.logprobs)
+            num_output = batch.num_tokens[state.row] - state.num_prompt_tokens
+            if num_output < params.min_tokens and state.min_tokens_suppress:
+                suppress[i] = state.min_tokens_suppress
+        return SamplingMetadata(
+            temperature=self._tensor(temperature, torch.float32),
+            all_greedy=bool(greedy.all()),
+            all_random=not bool(greedy.any()),
+            top_p=self._tensor(top_p, torch.float32) if (top_p < 1).any() else None,
+            top_k=self._tensor(np.where(top_k > 0, top_k, vocab), torch.int64)
+            if (top_k > 0).any()
+            else None,
+            min_p=self._tensor(min_p, torch.float32) if (min_p > 0).any() else None,
+            generators=generators,
+            max_num_logprobs=max_logprobs,
+            suppress_token_ids=suppress,
+        )
+
+    def _logprobs(self, req_ids: list[str], sampling: np.ndarray, sampler_out) -> dict[str, list[dict[int, float]]]:
+        if sampler_out.logprobs is None:
+            return {}
+        ids = sampler_out.logprob_token_ids.cpu().tolist()
+        values = sampler_out.logprobs.cpu().tolist()
+        result = {}
+        for i, idx in enumerate(sampling):
+            params = self.batch.requests[req_ids[idx]].sampling_params
+            if params.logprobs is None:
+                continue
+            n = 1 + params.logprobs
+            result[req_ids[idx]] = [dict(zip(ids[i][:n], values[i][:n]))]
+        return result
+
+
+def _head_size(hf_config) -> int:
+    head_dim = getattr(hf_config, "head_dim", None)
+    return head_dim or hf_config.hidden_size // hf_config.num_attention_heads
+
+
+def _min_tokens_suppress(params, eos_token_id: int | None) -> list[int]:
+    """Tokens a request may not sample before it has ``min_tokens`` outputs."""
+    if params.min_tokens == 0:
+        return []
+    ids = list(params.stop_token_ids)
+    if not params.ignore_eos and eos_token_id is not None:
+        ids.append(eos_token_id)
+    return ids

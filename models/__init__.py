@@ -1,0 +1,14 @@
+"""First-party model architectures, registered through the ``tokenmill.plugins`` entry point.
+
+Registration is by ``module:Class`` string; model code is imported only when a checkpoint asks
+for it.
+"""
+
+from tokenmill.plugins import hookimpl
+
+
+@hookimpl
+def register_models(register):
+    register("LlamaForCausalLM", "tokenmill.models.llama:LlamaForCausalLM")
+    register("MistralForCausalLM", "tokenmill.models.llama:MistralForCausalLM")
+    register("Qwen2ForCausalLM", "tokenmill.models.qwen2:Qwen2ForCausalLM")

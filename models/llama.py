@@ -1,0 +1,272 @@
+"""Llama (and Mistral) for tokenmill, after vLLM's ``llama.py``.
+
+The model runs on a flat batch: ``input_ids`` and ``positions`` are [T] for all scheduled
+tokens of all requests; attention finds its paging data in the forward context.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from tokenmill.distributed.parallel_state import get_tensor_model_parallel_world_size
+from tokenmill.layers.activation import SiluAndMul
+from tokenmill.layers.attention import Attention
+from tokenmill.layers.layernorm import RMSNorm
+from tokenmill.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+from tokenmill.layers.rotary_embedding import get_rope, rope_config
+from tokenmill.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+from tokenmill.model_loader.weights import default_weight_loader
+
+
+def maybe_prefix(prefix: str, name: str) -> str:
+    """``prefix.name``, or ``name`` at the root."""
+    return f"{prefix}.{name}" if prefix else name
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU MLP with gate and up fused into one GEMM."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        hidden_act: str,
+        bias: bool = False,
+        prefix: str = "",
+    ) -> None:
+        super().__init__()
+        if hidden_act != "silu":
+            raise ValueError(f"{prefix}: unsupported hidden_act {hidden_act!r}; only silu is")
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden_size, [intermediate_size] * 2, bias=bias, prefix=f"{prefix}.gate_up_proj"
+        )
+        self.down_proj = RowParallelLinear(
+            intermediate_size, hidden_size, bias=bias, prefix=f"{prefix}.down_proj"
+        )
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaAttention(nn.Module):
+    """Grouped-query self-attention with a fused QKV projection and RoPE."""
+
+    def __init__(
+        self,
+        config: Any,
+        qkv_bias: bool = False,
+        o_proj_bias: bool = False,
+        prefix: str = "",
+    ) -> None:
+        super().__init__()
+        tp_size = get_tensor_model_parallel_world_size()
+        hidden_size = config.hidden_size
+        total_num_heads = config.num_attention_heads
+        total_num_kv_heads = getattr(config, "num_key_value_heads", None) or total_num_heads
+        self.head_dim = getattr(config, "head_dim", None) or hidden_size // total_num_heads
+        self.num_heads = total_num_heads // tp_size
+        self.num_kv_heads = max(1, total_num_kv_heads // tp_size)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+
+        self.qkv_proj = QKVParallelLinear(
+            hidden_size,
+            self.head_dim,
+            total_num_heads,
+            total_num_kv_heads,
+            bias=qkv_bias,
+            prefix=f"{prefix}.qkv_proj",
+        )
+        self.o_proj = RowParallelLinear(
+            total_num_heads * self.head_dim,
+            hidden_size,
+            bias=o_proj_bias,
+            prefix=f"{prefix}.o_proj",
+        )
+        rope_theta, rope_scaling = rope_config(config)
+        self.rotary_emb = get_rope(
+            self.head_dim,
+            self.head_dim,
+            config.max_position_embeddings,
+            rope_theta,
+            rope_scaling,
+        )
+        self.attn = Attention(
+            self.num_heads,
+            self.head_dim,
+            self.head_dim**-0.5,
+            self.num_kv_heads,
+            prefix=f"{prefix}.attn",
+        )
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden_states)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm attention + MLP block; the residual stream is carried through the fused
+    add in each RMSNorm."""
+
+    @staticmethod
+    def attention_biases(config: Any) -> tuple[bool, bool]:
+        """Whether the QKV and output projections have biases."""
+        bias = bool(getattr(config, "attention_bias", False))
+        return bias, bias
+
+    def __init__(self, config: Any, prefix: str = "") -> None:
+        super().__init__()
+        qkv_bias, o_proj_bias = self.attention_biases(config)
+        self.self_attn = LlamaAttention(
+            config, qkv_bias, o_proj_bias, prefix=f"{prefix}.self_attn"
+        )
+        self.mlp = LlamaMLP(
+            config.hidden_size,
+            config.intermediate_size,
+            config.hidden_act,
+            bias=bool(getattr(config, "mlp_bias", False)),
+            prefix=f"{prefix}.mlp",
+        )
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder stack and final norm."""
+
+    def __init__(
+        self,
+        config: Any,
+        prefix: str = "",
+        layer_type: type[LlamaDecoderLayer] = LlamaDecoderLayer,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, prefix=maybe_prefix(prefix, "embed_tokens")
+        )
+        self.layers = nn.ModuleList(
+            layer_type(config, prefix=maybe_prefix(prefix, f"layers.{i}"))
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden_states = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, residual)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama causal LM: ``forward`` returns last-layer hidden states [T, hidden];
+    ``compute_logits`` turns the rows the sampler needs into float32 logits."""
+
+    layer_type: ClassVar[type[LlamaDecoderLayer]] = LlamaDecoderLayer
+
+    stacked_params_mapping: ClassVar[list[tuple[str, str, str | int]]] = [
+        # (fused parameter, checkpoint name, shard id)
+        (".qkv_proj", ".q_proj", "q"),
+        (".qkv_proj", ".k_proj", "k"),
+        (".qkv_proj", ".v_proj", "v"),
+        (".gate_up_proj", ".gate_proj", 0),
+        (".gate_up_proj", ".up_proj", 1),
+    ]
+
+    def __init__(self, config: Any, prefix: str = "") -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(
+            config, prefix=maybe_prefix(prefix, "model"), layer_type=self.layer_type
+        )
+        self.lm_head = ParallelLMHead(
+            config.vocab_size, config.hidden_size, prefix=maybe_prefix(prefix, "lm_head")
+        )
+        if self.tie_word_embeddings:
+            self.lm_head.tie_weights(self.model.embed_tokens)
+
+    @property
+    def tie_word_embeddings(self) -> bool:
+        return bool(getattr(self.config, "tie_word_embeddings", False))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden_states)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load HF-named tensors, fusing q/k/v and gate/up into their stacked parameters.
+        Returns the names of the parameters fully loaded (a fused one once all its shards are)."""
+        params = dict(self.named_parameters())
+        all_shards: dict[str, set] = defaultdict(set)
+        for fused, _, shard_id in self.stacked_params_mapping:
+            all_shards[fused].add(shard_id)
+        shards_seen: dict[str, set] = defaultdict(set)
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if self.tie_word_embeddings and name.startswith("lm_head."):
+                continue
+            for fused, original, shard_id in self.stacked_params_mapping:
+                if original in name:
+                    name = name.replace(original, fused)
+                    param = self._param(params, name)
+                    param.weight_loader(param, tensor, shard_id)
+                    shards_seen[name].add(shard_id)
+                    if shards_seen[name] == all_shards[fused]:
+                        loaded.add(name)
+                    break
+            else:
+                param = self._param(params, name)
+                getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+                loaded.add(name)
+        return loaded
+
+    def _param(self, params: dict[str, nn.Parameter], name: str) -> nn.Parameter:
+        try:
+            return params[name]
+        except KeyError:
+            raise ValueError(
+                f"checkpoint weight {name!r} has no matching parameter in "
+                f"{type(self).__name__}"
+            ) from None
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral: the Llama architecture plus sliding-window attention.
+
+    Attention here is full causal attention, which equals sliding-window attention only while
+    sequences fit in the window: it is exact when ``config.sliding_window`` is None or at least
+    the engine's ``max_model_len``, and the engine caps ``max_model_len`` accordingly.
+    """

@@ -1,0 +1,95 @@
+"""Shared fixtures: the default model, its HF twin, and tiny random checkpoints."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+torch.set_num_threads(2)
+
+
+def pytest_collection_modifyitems(config, items):
+    has_gpu = torch.cuda.is_available()
+    for item in items:
+        if "gpu" in item.keywords and not has_gpu:
+            item.add_marker(pytest.mark.skip(reason="needs a GPU"))
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> str:
+    from tokenmill.default_model import default_model_path
+
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def hf_default_model(default_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def default_tokenizer(default_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(default_model_dir)
+
+
+def make_tiny_checkpoint(path, arch: str = "llama", **overrides) -> str:
+    """Save a tiny random HF model (no tokenizer) under ``path`` and return the dir."""
+    import transformers
+
+    common = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        initializer_range=0.2,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
+    common.update(overrides)
+    config_cls, model_cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    }[arch]
+    torch.manual_seed(0)
+    model = model_cls(config_cls(**common)).to(torch.float32).eval()
+    model.save_pretrained(str(path), safe_serialization=True)
+    return str(path)
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
+    """HF greedy continuation (never stopping at EOS) and the logits at each generated position."""
+    ids = torch.tensor([prompt_ids])
+    tokens, scores, past = [], [], None
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            out = model(input_ids=ids, past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            logits = out.logits[0, -1].float()
+            token = int(logits.argmax())
+            tokens.append(token)
+            scores.append(logits)
+            ids = torch.tensor([[token]])
+    return tokens, scores
+
+
+def assert_greedy_close(ours: list[int], our_logprobs: list[dict[int, float]], ref: list[int], ref_scores) -> None:
+    """Equal tokens, or at the first divergence each side's token is in the other's top-5
+    (vLLM's criterion for comparing against HF)."""
+    for k, (a, b) in enumerate(zip(ours, ref)):
+        if a == b:
+            continue
+        ref_top5 = torch.topk(ref_scores[k], 5).indices.tolist()
+        our_top5 = sorted(our_logprobs[k], key=our_logprobs[k].get, reverse=True)[:5]
+        assert a in ref_top5, f"position {k}: our token {a} not in HF top-5 {ref_top5}"
+        assert b in our_top5, f"position {k}: HF token {b} not in our top-5 {our_top5}"
+        return
+    assert len(ours) == len(ref)

@@ -1,0 +1,109 @@
+import numpy as np
+import pytest
+
+from tokenmill.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingType
+
+
+def test_defaults_match_the_design():
+    p = SamplingParams()
+    assert (p.n, p.temperature, p.top_p, p.top_k, p.min_p, p.seed) == (1, 1.0, 1.0, 0, 0.0, None)
+    assert (p.max_tokens, p.min_tokens, p.stop, p.stop_token_ids) == (16, 0, [], [])
+    assert (p.ignore_eos, p.logprobs, p.skip_special_tokens) == (False, None, True)
+    assert p.include_stop_str_in_output is False
+    assert p.sampling_type is SamplingType.RANDOM and not p.is_greedy
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("n", 0),
+        ("n", 1.5),
+        ("n", "2"),
+        ("temperature", -1),
+        ("temperature", "0.5"),
+        ("temperature", float("nan")),
+        ("temperature", True),
+        ("top_p", 0.0),
+        ("top_p", 1.01),
+        ("top_p", "1"),
+        ("top_k", -2),
+        ("top_k", 2.0),
+        ("top_k", "5"),
+        ("min_p", -0.1),
+        ("min_p", 1.5),
+        ("min_p", None),
+        ("seed", 1.0),
+        ("seed", "7"),
+        ("seed", 2**64),
+        ("max_tokens", 0),
+        ("max_tokens", "16"),
+        ("min_tokens", -1),
+        ("min_tokens", 17),
+        ("logprobs", -1),
+        ("logprobs", MAX_LOGPROBS + 1),
+        ("logprobs", "3"),
+        ("stop", ""),
+        ("stop", ["ok", ""]),
+        ("stop", [1]),
+        ("stop", 5),
+        ("stop_token_ids", [-1]),
+        ("stop_token_ids", [1.0]),
+        ("stop_token_ids", 3),
+        ("ignore_eos", "yes"),
+        ("skip_special_tokens", 1),
+        ("include_stop_str_in_output", None),
+    ],
+)
+def test_invalid_value_raises_naming_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_temperature_error_message_is_explicit():
+    with pytest.raises(ValueError, match=r"temperature must be >= 0, got -1"):
+        SamplingParams(temperature=-1)
+
+
+def test_greedy_rejects_n_above_one():
+    with pytest.raises(ValueError, match="n must be 1"):
+        SamplingParams(n=2, temperature=0)
+
+
+def test_stop_and_stop_token_ids_are_normalised_to_lists():
+    assert SamplingParams(stop="###").stop == ["###"]
+    assert SamplingParams(stop=("a", "b")).stop == ["a", "b"]
+    assert SamplingParams(stop_token_ids=(5, np.int64(7))).stop_token_ids == [5, 7]
+    assert type(SamplingParams(stop_token_ids=[np.int64(7)]).stop_token_ids[0]) is int
+
+
+def test_top_k_minus_one_means_off():
+    assert SamplingParams(top_k=-1).top_k == 0
+
+
+def test_max_tokens_none_allows_any_min_tokens():
+    assert SamplingParams(max_tokens=None, min_tokens=1000).min_tokens == 1000
+
+
+def test_numeric_types_are_coerced():
+    p = SamplingParams(n=np.int64(2), temperature=1, top_p=np.float32(0.5), seed=np.int32(3))
+    assert (type(p.n), type(p.temperature), type(p.top_p), type(p.seed)) == (int, float, float, int)
+
+
+def test_greedy_ignores_truncation_settings():
+    p = SamplingParams(temperature=0.0, top_p=0.5, top_k=5, min_p=0.2)
+    assert p.is_greedy and p.sampling_type is SamplingType.GREEDY
+    assert (p.top_p, p.top_k, p.min_p) == (1.0, 0, 0.0)
+    assert SamplingParams(temperature=1e-6).is_greedy
+
+
+def test_sampling_type_seeded():
+    assert SamplingParams(seed=0).sampling_type is SamplingType.RANDOM_SEED
+
+
+def test_clone_is_independent():
+    p = SamplingParams(stop=["x"], stop_token_ids=[1])
+    c = p.clone()
+    c.stop.append("y")
+    c.stop_token_ids.append(2)
+    assert p.stop == ["x"] and p.stop_token_ids == [1]
+    assert c == SamplingParams(stop=["x", "y"], stop_token_ids=[1, 2])
