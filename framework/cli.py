@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
+
+SUBCOMMAND_MODULES = ("tokenmill.benchmarks",)
+"""Modules adding their own subcommands via ``register_subcommand(subparsers)``; each keeps
+its heavy imports inside the command so ``tokenmill --help`` stays fast."""
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -127,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("plugins", help="list registered plugins and where they come from")
     p.set_defaults(func=cmd_plugins)
+
+    for module_name in SUBCOMMAND_MODULES:
+        importlib.import_module(module_name).register_subcommand(sub)
     return parser
 
 

@@ -1,0 +1,22 @@
+"""``tokenmill bench {throughput,latency,serve}`` with vLLM's argument names and printed metrics."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+BENCHMARKS = {
+    "throughput": "tokenmill.benchmarks.throughput",
+    "latency": "tokenmill.benchmarks.latency",
+}
+"""Each module has ``add_arguments(parser)`` and ``run(args) -> int``."""
+
+
+def register_subcommand(subparsers: argparse._SubParsersAction) -> None:
+    bench = subparsers.add_parser("bench", help="benchmarks (vLLM-compatible arguments)")
+    kinds = bench.add_subparsers(dest="bench_kind", required=True)
+    for name, module_name in BENCHMARKS.items():
+        module = importlib.import_module(module_name)
+        parser = kinds.add_parser(name, help=module.__doc__.splitlines()[0])
+        module.add_arguments(parser)
+        parser.set_defaults(func=module.run)
