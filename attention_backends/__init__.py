@@ -6,3 +6,7 @@ from tokenmill.plugins import hookimpl
 @hookimpl
 def register_attention_backends(register):
     register("torch", "tokenmill.attention_backends.torch_ref:TorchRefBackend")
+    register("cpu_sdpa", "tokenmill.attention_backends.cpu_sdpa:CpuSdpaBackend")
+    register("triton", "tokenmill.attention_backends.triton_attn:TritonAttentionBackend")
+    register("flash_attn", "tokenmill.attention_backends.flash_attn:FlashAttentionBackend")
+    register("flashinfer", "tokenmill.attention_backends.flashinfer:FlashInferBackend")

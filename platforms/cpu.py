@@ -38,7 +38,7 @@ class CpuPlatform(Platform):
 
     @classmethod
     def get_attn_backend_candidates(cls, config: AttentionConfig) -> list[str]:
-        return ["torch"]
+        return ["cpu_sdpa", "torch"]
 
     @classmethod
     def default_dtype(cls, model_dtype: torch.dtype) -> torch.dtype:

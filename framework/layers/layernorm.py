@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.layers.build_context import current_build_context
@@ -26,14 +27,16 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        orig_dtype = x.dtype
-        x = x.float()
         if residual is not None:
-            x = x + residual.float()
-            residual = x.to(orig_dtype)
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        x = x.to(orig_dtype) * self.weight
-        return x if residual is None else (x, residual)
+            x = x + residual
+            residual = x
+        if x.dtype == torch.float32:
+            out = F.rms_norm(x, self.weight.shape, self.weight, self.variance_epsilon)
+        else:
+            xf = x.float()
+            xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+            out = xf.to(x.dtype) * self.weight
+        return out if residual is None else (out, residual)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.variance_epsilon}"

@@ -45,25 +45,32 @@ class RotaryEmbedding(nn.Module):
         return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x`` [T, n*head_size]; ``cos``/``sin`` are [T, 1, rotary_dim/2]. Writes into
+        one output tensor with fused multiply-adds (no intermediate concatenations)."""
         shape = x.shape
         x = x.view(shape[0], -1, self.head_size)
-        rot, passthrough = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
+        out = torch.empty_like(x)
+        half = self.rotary_dim // 2
         if self.is_neox_style:
-            x1, x2 = rot.chunk(2, dim=-1)
+            x1, x2 = x[..., :half], x[..., half : self.rotary_dim]
+            o1, o2 = out[..., :half], out[..., half : self.rotary_dim]
         else:
-            x1, x2 = rot[..., ::2], rot[..., 1::2]
-        o1 = x1 * cos - x2 * sin
-        o2 = x2 * cos + x1 * sin
-        if self.is_neox_style:
-            rot = torch.cat((o1, o2), dim=-1)
-        else:
-            rot = torch.stack((o1, o2), dim=-1).flatten(-2)
-        return torch.cat((rot, passthrough), dim=-1).reshape(shape)
+            x1, x2 = x[..., 0 : self.rotary_dim : 2], x[..., 1 : self.rotary_dim : 2]
+            o1, o2 = out[..., 0 : self.rotary_dim : 2], out[..., 1 : self.rotary_dim : 2]
+        torch.mul(x1, cos, out=o1)
+        o1.addcmul_(x2, sin, value=-1)
+        torch.mul(x2, cos, out=o2)
+        o2.addcmul_(x1, sin)
+        if self.rotary_dim < self.head_size:
+            out[..., self.rotary_dim :] = x[..., self.rotary_dim :]
+        return out.view(shape)
 
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self.cos_sin_cache[positions].to(query.dtype).unsqueeze(-2).chunk(2, dim=-1)
+        cos_sin = self.cos_sin_cache.index_select(0, positions).to(query.dtype).unsqueeze(-2)
+        half = self.rotary_dim // 2
+        cos, sin = cos_sin[..., :half], cos_sin[..., half:]
         return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
 
     def extra_repr(self) -> str:
