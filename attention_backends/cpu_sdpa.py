@@ -11,7 +11,8 @@ the reference backend, all about moving fewer bytes:
   folded into the query-length axis, so grouped-query attention needs no K/V expansion.
 
 Padding up to a whole block reads slots that may hold another request's values or be
-unwritten; they are masked out, and the cache is zero-initialised by the OS, so they are finite.
+unwritten; they are masked out, and since the model runner zero-fills the cache they are always
+finite (a NaN there would leak through ``0 * NaN`` in the weighted sum).
 """
 
 from __future__ import annotations

@@ -30,9 +30,11 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate completions for every prompt; outputs come back in prompt order.
 
+        ``priority`` (one per prompt, lower first) matters with ``scheduling_policy="priority"``.
         Invalid prompts or parameters raise ``ValueError`` before anything runs."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
@@ -45,13 +47,16 @@ class LLM:
                 raise ValueError(
                     f"got {len(params_list)} sampling_params for {len(prompts)} prompts"
                 )
+        priorities = list(priority) if priority is not None else [0] * len(prompts)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
         engine = self.llm_engine
         for prompt in prompts:
             engine.tokenize_prompt(prompt)
         ids = []
-        for prompt, params in zip(prompts, params_list):
+        for prompt, params, prio in zip(prompts, params_list, priorities):
             request_id = engine.next_request_id()
-            engine.add_request(request_id, prompt, params)
+            engine.add_request(request_id, prompt, params, priority=prio)
             ids.append(request_id)
         return self._run(ids, use_tqdm)
 

@@ -99,7 +99,7 @@ class ModelRunner:
             shape = layer.backend.get_kv_cache_shape(
                 num_blocks, self.block_size, layer.num_kv_heads, layer.head_size
             )
-            self.kv_caches[name] = torch.empty(shape, dtype=specs[name].dtype, device=self.device)
+            self.kv_caches[name] = torch.zeros(shape, dtype=specs[name].dtype, device=self.device)
         first_spec = next(iter(specs.values()))
         self.metadata_builder = self.attn_backend.get_metadata_builder_cls()(first_spec, self.device)
         max_blocks = -(-self.config.max_model_len // self.block_size)
