@@ -51,10 +51,12 @@ class LLM:
         if len(priorities) != len(prompts):
             raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
         engine = self.llm_engine
+        tokenized = []
         for prompt in prompts:
-            engine.tokenize_prompt(prompt)
+            text, token_ids = engine.tokenize_prompt(prompt)
+            tokenized.append({"prompt": text, "prompt_token_ids": token_ids})
         ids = []
-        for prompt, params, prio in zip(prompts, params_list, priorities):
+        for prompt, params, prio in zip(tokenized, params_list, priorities):
             request_id = engine.next_request_id()
             engine.add_request(request_id, prompt, params, priority=prio)
             ids.append(request_id)
