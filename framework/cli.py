@@ -30,12 +30,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-dtype", default="auto")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
 
 
 ENGINE_ARG_NAMES = (
     "model", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
     "num_kv_blocks", "kv_cache_memory_bytes", "enable_prefix_caching", "enable_chunked_prefill",
     "attention_backend", "platform", "quantization", "kv_cache_dtype", "tensor_parallel_size", "seed",
+    "gpu_memory_utilization", "enforce_eager",
 )
 
 

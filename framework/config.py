@@ -49,6 +49,7 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     watermark: float = 0.01
     enforce_eager: bool = False
+    gpu_memory_utilization: float = 0.9
 
     model_path: str = field(init=False, default="")
     hf_config: Any = field(init=False, default=None)
@@ -75,6 +76,10 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', got {self.kv_cache_dtype!r}")
         if not 0 <= self.watermark < 1:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
         if self.long_prefill_token_threshold < 0:
             raise ValueError("long_prefill_token_threshold must be >= 0")
 

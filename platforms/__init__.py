@@ -6,3 +6,5 @@ from tokenmill.plugins import hookimpl
 @hookimpl
 def register_platforms(register):
     register("cpu", "tokenmill.platforms.cpu:CpuPlatform")
+    register("cuda", "tokenmill.platforms.cuda:CudaPlatform")
+    register("rocm", "tokenmill.platforms.rocm:RocmPlatform")

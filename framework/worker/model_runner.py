@@ -28,6 +28,7 @@ from tokenmill.layers.build_context import BuildContext
 from tokenmill.model_loader.loader import load_model
 from tokenmill.sample.sampler import Sampler, SamplingMetadata
 from tokenmill.selector import select_attention_backend
+from tokenmill.worker.cuda_graph import CudaGraphRunner
 from tokenmill.worker.input_batch import CachedRequestState, InputBatch
 
 
@@ -69,6 +70,7 @@ class ModelRunner:
         self.preempted: dict[str, _PreemptedState] = {}
         self.batch: InputBatch | None = None
         self.metadata_builder = None
+        self.cuda_graphs: CudaGraphRunner | None = None
 
     def load_model(self) -> None:
         quant = None
@@ -104,6 +106,9 @@ class ModelRunner:
         self.metadata_builder = self.attn_backend.get_metadata_builder_cls()(first_spec, self.device)
         max_blocks = -(-self.config.max_model_len // self.block_size)
         self.batch = InputBatch(self.config.max_num_seqs, self.config.max_model_len, max_blocks)
+        self.cuda_graphs = CudaGraphRunner.create(
+            self.config, self.model, self.metadata_builder, self.kv_caches, max_blocks, self.device
+        )
 
     def _update_states(self, out: SchedulerOutput) -> None:
         batch = self.batch
@@ -189,11 +194,13 @@ class ModelRunner:
             max_query_len=int(num_sched.max()),
             max_seq_len=int(seq_lens.max()),
         )
-        attn_metadata = self.metadata_builder.build(common)
-        with set_forward_context(attn_metadata, self.kv_caches):
-            hidden = self.model(
-                self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64)
-            )
+        input_ids_t = self._tensor(input_ids, torch.int64)
+        positions_t = self._tensor(positions, torch.int64)
+        hidden = self.cuda_graphs.run(input_ids_t, positions_t, common) if self.cuda_graphs else None
+        if hidden is None:
+            attn_metadata = self.metadata_builder.build(common)
+            with set_forward_context(attn_metadata, self.kv_caches):
+                hidden = self.model(input_ids_t, positions_t)
 
         sampling = np.nonzero(seq_lens >= batch.num_tokens[rows])[0]
         if len(sampling) == 0:

@@ -1,0 +1,174 @@
+"""CUDA graphs for decode-only steps (vLLM's FULL mode).
+
+At start-up the whole model forward is captured once per batch size in ``capture_sizes`` over
+static input and attention-metadata buffers. A decode-only step (every request schedules one
+token) of ``n`` requests is copied into those buffers, padded to the nearest captured size
+(padding requests have no context and slot ``-1``, so they write nothing and read nothing), and
+the graph is replayed. Prefill and mixed steps, and batches above the largest size, run eagerly.
+
+A backend takes part when its metadata builder implements :class:`GraphCapturableBuilder`.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+from tokenmill.config import EngineConfig
+from tokenmill.forward_context import set_forward_context
+from tokenmill.interfaces.attention import CommonAttentionMetadata
+
+MAX_CAPTURE_SIZE = 256
+
+
+@runtime_checkable
+class GraphCapturableBuilder(Protocol):
+    """What a metadata builder provides to have decode steps captured."""
+
+    def build_for_cudagraph(self, common: CommonAttentionMetadata) -> Any:
+        """Metadata for a graph over ``common``'s device tensors, which are static buffers: it
+        must read them in place (and may own further persistent buffers)."""
+
+    def update_for_cudagraph(self, metadata: Any, common: CommonAttentionMetadata) -> None:
+        """Refresh ``metadata`` after the runner wrote a new step into the static buffers
+        (``common``'s CPU tensors describe that step, padded); runs before each replay."""
+
+
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    """vLLM's batch sizes: 1, 2, 4, then every multiple of 8, up to ``max_num_seqs`` (at most
+    ``MAX_CAPTURE_SIZE``), which is always included."""
+    largest = min(max_num_seqs, MAX_CAPTURE_SIZE)
+    sizes = {s for s in (1, 2, 4) if s <= largest} | set(range(8, largest + 1, 8)) | {largest}
+    return sorted(sizes)
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    metadata: Any
+    output: torch.Tensor
+
+
+class CudaGraphRunner:
+    """Captures and replays the model forward for decode-only batches.
+
+    ``max_blocks_per_req`` is the block-table width of the runner's input batch;
+    ``max_model_len`` bounds every sequence a replay may see."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        builder: GraphCapturableBuilder,
+        kv_caches: dict[str, torch.Tensor],
+        sizes: list[int],
+        max_blocks_per_req: int,
+        max_model_len: int,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.builder = builder
+        self.kv_caches = kv_caches
+        self.sizes = sorted(sizes)
+        self.max_model_len = max_model_len
+        largest = self.sizes[-1]
+        self.input_ids = torch.zeros(largest, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(largest, dtype=torch.int64, device=device)
+        self.query_start_loc = torch.arange(largest + 1, dtype=torch.int32, device=device)
+        self.seq_lens = torch.zeros(largest, dtype=torch.int32, device=device)
+        self.block_table = torch.zeros(
+            largest, max_blocks_per_req, dtype=torch.int32, device=device
+        )
+        self.slot_mapping = torch.full((largest,), -1, dtype=torch.int64, device=device)
+        self.graphs: dict[int, _Graph] = {}
+
+    @classmethod
+    def create(
+        cls,
+        config: EngineConfig,
+        model: nn.Module,
+        builder: Any,
+        kv_caches: dict[str, torch.Tensor],
+        max_blocks_per_req: int,
+        device: torch.device,
+    ) -> CudaGraphRunner | None:
+        """A runner with every size captured, or None where graphs don't apply: not a CUDA
+        device, ``enforce_eager``, or a backend whose builder cannot be captured."""
+        if device.type != "cuda" or config.enforce_eager:
+            return None
+        if not isinstance(builder, GraphCapturableBuilder):
+            return None
+        runner = cls(
+            model,
+            builder,
+            kv_caches,
+            capture_sizes(config.max_num_seqs),
+            max_blocks_per_req,
+            config.max_model_len,
+            device,
+        )
+        runner.capture()
+        return runner
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every size, largest first so the smaller graphs reuse its memory pool. Each
+        size first runs once eagerly (kernel compilation, backend planning). The dummy batch
+        gives every request one token of context in block 0 and writes no KV."""
+        pool = torch.cuda.graph_pool_handle()
+        self.seq_lens.fill_(1)
+        self.slot_mapping.fill_(-1)
+        for size in reversed(self.sizes):
+            common = self._common(size, torch.ones(size, dtype=torch.int32))
+            metadata = self.builder.build_for_cudagraph(common)
+            with set_forward_context(metadata, self.kv_caches):
+                self.model(self.input_ids[:size], self.positions[:size])
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    output = self.model(self.input_ids[:size], self.positions[:size])
+            self.graphs[size] = _Graph(graph, metadata, output)
+        torch.cuda.synchronize()
+
+    def run(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, common: CommonAttentionMetadata
+    ) -> torch.Tensor | None:
+        """Hidden states [n, hidden] of a decode-only step by graph replay, or None when the
+        step is not decode-only or is larger than the largest graph (run it eagerly). The
+        result lives in the graphs' memory: use it before the next call."""
+        n = common.num_reqs
+        if common.max_query_len != 1 or common.num_actual_tokens != n or n > self.sizes[-1]:
+            return None
+        size = self.sizes[bisect.bisect_left(self.sizes, n)]
+        graph = self.graphs[size]
+        self.input_ids[:n].copy_(input_ids)
+        self.positions[:n].copy_(positions)
+        self.seq_lens[:n].copy_(common.seq_lens)
+        self.seq_lens[n:size].zero_()
+        self.block_table[:n, : common.block_table.shape[1]].copy_(common.block_table)
+        self.slot_mapping[:n].copy_(common.slot_mapping)
+        self.slot_mapping[n:size].fill_(-1)
+        seq_lens_cpu = torch.zeros(size, dtype=torch.int32)
+        seq_lens_cpu[:n] = common.seq_lens_cpu
+        self.builder.update_for_cudagraph(graph.metadata, self._common(size, seq_lens_cpu))
+        graph.graph.replay()
+        return graph.output[:n]
+
+    def _common(self, size: int, seq_lens_cpu: torch.Tensor) -> CommonAttentionMetadata:
+        """The static buffers' first ``size`` rows as a decode batch of ``size`` requests."""
+        return CommonAttentionMetadata(
+            query_start_loc=self.query_start_loc[: size + 1],
+            query_start_loc_cpu=torch.arange(size + 1, dtype=torch.int32),
+            seq_lens=self.seq_lens[:size],
+            seq_lens_cpu=seq_lens_cpu,
+            num_computed_tokens_cpu=(seq_lens_cpu - 1).clamp(min=0),
+            block_table=self.block_table[:size],
+            slot_mapping=self.slot_mapping[:size],
+            num_reqs=size,
+            num_actual_tokens=size,
+            max_query_len=1,
+            max_seq_len=self.max_model_len,
+        )

@@ -1,0 +1,104 @@
+"""The CUDA and ROCm platforms: their decisions with torch's CUDA queries stubbed (runs
+anywhere), and detection, capabilities and memory on a real GPU (``gpu``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenmill.config import EngineConfig
+from tokenmill.interfaces.attention import AttentionConfig
+from tokenmill.platforms.cuda import CudaPlatform
+from tokenmill.platforms.rocm import RocmPlatform
+from tokenmill.selector import select_platform
+
+GiB = 1 << 30
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """An NVIDIA GPU of capability 7.5 with 16 GiB, 6 GiB of them in use."""
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 * GiB, 16 * GiB))
+
+
+def test_detection_follows_torch_build(fake_gpu, monkeypatch):
+    assert CudaPlatform.is_available() and not RocmPlatform.is_available()
+    monkeypatch.setattr(torch.version, "hip", "6.2")
+    assert RocmPlatform.is_available() and not CudaPlatform.is_available()
+
+
+def test_no_gpu_means_neither_platform(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert not CudaPlatform.is_available() and not RocmPlatform.is_available()
+    assert CudaPlatform.get_device_capability() is None
+
+
+def test_bf16_needs_ampere(fake_gpu, monkeypatch):
+    assert CudaPlatform.get_device_capability() == (7, 5)
+    assert CudaPlatform.default_dtype(torch.bfloat16) == torch.float16
+    config = EngineConfig()
+    config.torch_dtype = torch.bfloat16
+    with pytest.raises(ValueError, match="bfloat16 needs .* 8.0.*7.5"):
+        CudaPlatform.check_and_update_config(config)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert CudaPlatform.default_dtype(torch.bfloat16) == torch.bfloat16
+    assert CudaPlatform.default_dtype(torch.float32) == torch.bfloat16
+    assert CudaPlatform.default_dtype(torch.float16) == torch.float16
+    CudaPlatform.check_and_update_config(config)
+
+
+def test_kv_cache_budget_is_utilization_minus_used(fake_gpu):
+    assert CudaPlatform.get_device_total_memory() == 16 * GiB
+    assert CudaPlatform.get_available_memory() == 10 * GiB
+    config = EngineConfig(gpu_memory_utilization=0.5)
+    assert CudaPlatform.get_kv_cache_budget(config) == 2 * GiB
+    with pytest.raises(ValueError, match="no GPU memory left for the KV cache"):
+        CudaPlatform.get_kv_cache_budget(EngineConfig(gpu_memory_utilization=0.3))
+
+
+def test_gpu_memory_utilization_is_checked():
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        EngineConfig(gpu_memory_utilization=1.5)
+
+
+def test_backend_priorities():
+    config = AttentionConfig(head_size=128, dtype=torch.bfloat16, device_type="cuda")
+    assert CudaPlatform.get_attn_backend_candidates(config) == [
+        "flash_attn",
+        "flashinfer",
+        "triton",
+        "torch",
+    ]
+    assert RocmPlatform.get_attn_backend_candidates(config) == ["triton", "torch"]
+    assert CudaPlatform.dist_backend == RocmPlatform.dist_backend == "nccl"
+
+
+@pytest.mark.gpu
+def test_real_gpu_is_detected():
+    platform = select_platform()
+    expected = RocmPlatform if torch.version.hip else CudaPlatform
+    assert platform is expected
+    assert platform.device_type == "cuda"
+    major, minor = platform.get_device_capability()
+    assert major >= 5 and minor >= 0
+    assert torch.float16 in platform.supported_dtypes
+    assert platform.device(0) == torch.device("cuda", 0)
+    total = platform.get_device_total_memory()
+    assert 0 < platform.get_available_memory() <= total
+    budget = platform.get_kv_cache_budget(EngineConfig(gpu_memory_utilization=0.9))
+    assert 0 < budget <= 0.9 * total
+
+
+@pytest.mark.gpu
+def test_default_backend_on_gpu_is_a_gpu_backend():
+    from tokenmill.selector import select_attention_backend
+
+    platform = select_platform()
+    dtype = torch.bfloat16 if platform.supports_bf16() else torch.float16
+    config = AttentionConfig(head_size=64, dtype=dtype, device_type="cuda")
+    backend = select_attention_backend(platform, config)
+    assert backend.get_name() in ("flash_attn", "flashinfer", "triton")
