@@ -159,12 +159,6 @@ class CpuSdpaBackend(AttentionBackend):
         return "cpu_sdpa"
 
     @staticmethod
-    def get_kv_cache_shape(
-        num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
-    ) -> tuple[int, ...]:
-        return (2, num_blocks, block_size, num_kv_heads, head_size)
-
-    @staticmethod
     def get_impl_cls() -> type[AttentionImpl]:
         return CpuSdpaImpl
 
@@ -174,11 +168,7 @@ class CpuSdpaBackend(AttentionBackend):
 
     @classmethod
     def validate_configuration(cls, config: AttentionConfig) -> list[str]:
-        reasons = []
+        reasons = super().validate_configuration(config)
         if config.device_type != "cpu":
             reasons.append(f"runs on the CPU only, not {config.device_type}")
-        if config.use_mla:
-            reasons.append("MLA models need an MLA backend")
-        if config.kv_cache_dtype != "auto":
-            reasons.append(f"KV-cache dtype {config.kv_cache_dtype!r} is not supported")
         return reasons

@@ -102,12 +102,6 @@ class FlashAttentionBackend(AttentionBackend):
         return "flash_attn"
 
     @staticmethod
-    def get_kv_cache_shape(
-        num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
-    ) -> tuple[int, ...]:
-        return (2, num_blocks, block_size, num_kv_heads, head_size)
-
-    @staticmethod
     def get_impl_cls() -> type[AttentionImpl]:
         return FlashAttentionImpl
 
@@ -117,7 +111,7 @@ class FlashAttentionBackend(AttentionBackend):
 
     @classmethod
     def validate_configuration(cls, config: AttentionConfig) -> list[str]:
-        reasons = []
+        reasons = super().validate_configuration(config)
         if importlib.util.find_spec("flash_attn") is None:
             reasons.append("flash_attn is not installed (pip install flash-attn)")
         if importlib.util.find_spec("triton") is None:
@@ -133,10 +127,6 @@ class FlashAttentionBackend(AttentionBackend):
                 f"its paged KV cache needs block_size to be a multiple of {PAGE_MULTIPLE} "
                 f"(got {config.block_size})"
             )
-        if config.kv_cache_dtype != "auto":
-            reasons.append(f"KV-cache dtype {config.kv_cache_dtype!r} is not supported")
-        if config.use_mla:
-            reasons.append("MLA models need an MLA backend")
         if reasons:
             return reasons
         major, minor = torch.cuda.get_device_capability()

@@ -208,7 +208,7 @@ class FlashInferBackend(AttentionBackend):
 
     @classmethod
     def validate_configuration(cls, config: AttentionConfig) -> list[str]:
-        reasons = []
+        reasons = super().validate_configuration(config)
         if importlib.util.find_spec("flashinfer") is None:
             reasons.append("flashinfer is not installed (pip install flashinfer-python)")
         if importlib.util.find_spec("triton") is None:
@@ -219,10 +219,6 @@ class FlashInferBackend(AttentionBackend):
             reasons.append(f"computes in float16 or bfloat16 only, not {config.dtype}")
         if config.head_size not in SUPPORTED_HEAD_SIZES:
             reasons.append(f"head size {config.head_size} is not one of {SUPPORTED_HEAD_SIZES}")
-        if config.kv_cache_dtype != "auto":
-            reasons.append(f"KV-cache dtype {config.kv_cache_dtype!r} is not supported")
-        if config.use_mla:
-            reasons.append("MLA models need an MLA backend")
         if reasons:
             return reasons
         major, minor = torch.cuda.get_device_capability()

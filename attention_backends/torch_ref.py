@@ -17,7 +17,6 @@ import torch.nn.functional as F
 
 from tokenmill.interfaces.attention import (
     AttentionBackend,
-    AttentionConfig,
     AttentionImpl,
     AttentionMetadataBuilder,
     CommonAttentionMetadata,
@@ -140,24 +139,9 @@ class TorchRefBackend(AttentionBackend):
         return "torch"
 
     @staticmethod
-    def get_kv_cache_shape(
-        num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
-    ) -> tuple[int, ...]:
-        return (2, num_blocks, block_size, num_kv_heads, head_size)
-
-    @staticmethod
     def get_impl_cls() -> type[AttentionImpl]:
         return TorchRefImpl
 
     @staticmethod
     def get_metadata_builder_cls() -> type[AttentionMetadataBuilder]:
         return TorchRefMetadataBuilder
-
-    @classmethod
-    def validate_configuration(cls, config: AttentionConfig) -> list[str]:
-        reasons = []
-        if config.use_mla:
-            reasons.append("MLA models need an MLA backend")
-        if config.kv_cache_dtype not in ("auto",):
-            reasons.append(f"KV-cache dtype {config.kv_cache_dtype!r} is not supported")
-        return reasons

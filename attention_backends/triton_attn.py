@@ -101,12 +101,6 @@ class TritonAttentionBackend(AttentionBackend):
         return "triton"
 
     @staticmethod
-    def get_kv_cache_shape(
-        num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
-    ) -> tuple[int, ...]:
-        return (2, num_blocks, block_size, num_kv_heads, head_size)
-
-    @staticmethod
     def get_impl_cls() -> type[AttentionImpl]:
         return TritonAttentionImpl
 
@@ -116,7 +110,7 @@ class TritonAttentionBackend(AttentionBackend):
 
     @classmethod
     def validate_configuration(cls, config: AttentionConfig) -> list[str]:
-        reasons = []
+        reasons = super().validate_configuration(config)
         if importlib.util.find_spec("triton") is None:
             reasons.append("triton is not installed (pip install triton)")
         if config.device_type == "cpu":
@@ -132,8 +126,4 @@ class TritonAttentionBackend(AttentionBackend):
             reasons.append(f"dtype {config.dtype} is not supported")
         if config.head_size > MAX_HEAD_SIZE:
             reasons.append(f"head size {config.head_size} is larger than {MAX_HEAD_SIZE}")
-        if config.kv_cache_dtype != "auto":
-            reasons.append(f"KV-cache dtype {config.kv_cache_dtype!r} is not supported")
-        if config.use_mla:
-            reasons.append("MLA models need an MLA backend")
         return reasons

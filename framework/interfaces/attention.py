@@ -89,22 +89,19 @@ class AttentionMetadataBuilder(ABC):
 class AttentionBackend(ABC):
     """A registered attention backend. All methods are static/class methods."""
 
-    accept_output_dtypes: ClassVar[tuple[torch.dtype, ...]] = (
-        torch.float32,
-        torch.float16,
-        torch.bfloat16,
-    )
+    supported_kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("auto",)
 
     @staticmethod
     @abstractmethod
     def get_name() -> str: ...
 
     @staticmethod
-    @abstractmethod
     def get_kv_cache_shape(
         num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
     ) -> tuple[int, ...]:
-        """Shape of one layer's KV-cache tensor."""
+        """Shape of one layer's KV-cache tensor. Default: keys then values, each
+        ``[num_blocks, block_size, num_kv_heads, head_size]``."""
+        return (2, num_blocks, block_size, num_kv_heads, head_size)
 
     @staticmethod
     @abstractmethod
@@ -120,5 +117,13 @@ class AttentionBackend(ABC):
 
     @classmethod
     def validate_configuration(cls, config: AttentionConfig) -> list[str]:
-        """Reasons this backend cannot serve ``config`` (empty: it can)."""
-        return []
+        """Reasons this backend cannot serve ``config`` (empty: it can). The base checks MLA
+        and the KV-cache dtype; subclasses extend the list."""
+        reasons = []
+        if config.use_mla and not cls.is_mla():
+            reasons.append("MLA models need an MLA backend")
+        if cls.is_mla() and not config.use_mla:
+            reasons.append("serves MLA models only")
+        if config.kv_cache_dtype not in cls.supported_kv_cache_dtypes:
+            reasons.append(f"KV-cache dtype {config.kv_cache_dtype!r} is not supported")
+        return reasons
