@@ -150,10 +150,17 @@ class PluginManager:
 
     def register_plugin(self, module: object, name: str, distribution: str) -> None:
         """Register a hook-implementing object and run its hooks now."""
-        if self.pm.get_plugin(name) is not None:
+        existing = self.pm.get_plugin(name)
+        if existing is module:
             return
+        if existing is not None:
+            raise PluginError(
+                f"plugin name {name!r} is used by distribution "
+                f"{self.plugin_distributions[name]!r} and by distribution {distribution!r}"
+            )
         try:
             self.pm.register(module, name=name)
+            self.pm.check_pending()
         except Exception as e:
             raise PluginError(
                 f"plugin {name!r} from distribution {distribution!r} is not a valid "
@@ -237,3 +244,23 @@ def register(kind: str, name: str, target: str) -> None:
     reg = Registration(kind, name, target, RUNTIME, RUNTIME)
     get_registry(kind).add(reg, replace=True)
     _runtime.append(reg)
+
+
+def register_platform(name: str, target: str) -> None:
+    """``register("platforms", name, target)``."""
+    register("platforms", name, target)
+
+
+def register_attention_backend(name: str, target: str) -> None:
+    """``register("attention_backends", name, target)``."""
+    register("attention_backends", name, target)
+
+
+def register_proposer(name: str, target: str) -> None:
+    """``register("proposers", name, target)``."""
+    register("proposers", name, target)
+
+
+def register_quantization_method(name: str, target: str) -> None:
+    """``register("quantization_methods", name, target)``."""
+    register("quantization_methods", name, target)

@@ -10,8 +10,9 @@ from tokenmill.interfaces.platform import Platform
 
 
 def select_platform(name: str | None = None) -> type[Platform]:
-    """The named platform (argument, else ``TOKENMILL_PLATFORM``), else auto-detection: an
-    available out-of-tree platform wins over the built-ins, then ``detection_priority``."""
+    """The named platform (argument, else ``TOKENMILL_PLATFORM``), else auto-detection among
+    the available, auto-selectable platforms: an out-of-tree one wins over the built-ins, then
+    ``detection_priority``."""
     registry = plugins.get_registry("platforms")
     name = name or os.environ.get("TOKENMILL_PLATFORM") or None
     if name is not None:
@@ -22,7 +23,7 @@ def select_platform(name: str | None = None) -> type[Platform]:
     candidates = []
     for reg in registry.entries.values():
         platform = reg.load()
-        if platform.is_available():
+        if platform.is_available() and platform.is_auto_selectable():
             builtin = reg.distribution == "tokenmill"
             candidates.append((not builtin, platform.detection_priority, reg.name, platform))
     if not candidates:

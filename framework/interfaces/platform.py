@@ -29,6 +29,12 @@ class Platform:
         return False
 
     @classmethod
+    def is_auto_selectable(cls) -> bool:
+        """Whether auto-detection may pick this platform when it is available. A platform meant
+        to run only when named (``platform=`` / ``TOKENMILL_PLATFORM``) returns False."""
+        return True
+
+    @classmethod
     def get_device_capability(cls) -> tuple[int, int] | None:
         return None
 

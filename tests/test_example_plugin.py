@@ -1,0 +1,255 @@
+"""The out-of-tree example plugin (``plugins_example/``), pip-installed into a temporary directory:
+its platform, head-major attention backend and GPT-2 model register through the entry point,
+generate HF's greedy tokens, and leave the defaults alone."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import random
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from conftest import assert_greedy_close, hf_greedy
+from tokenmill import LLM, SamplingParams, plugins
+from tokenmill.attention_backends.torch_ref import TorchRefBackend
+from tokenmill.core.kv_cache_spec import FullAttentionSpec
+from tokenmill.interfaces import AttentionConfig, CommonAttentionMetadata
+from tokenmill.selector import select_attention_backend, select_platform
+
+EXAMPLE_SRC = Path(__file__).resolve().parents[1] / "plugins_example"
+DIST = "tokenmill-example-plugin"
+PARTS = {
+    "platforms": "example",
+    "attention_backends": "example-hnd",
+    "models": "GPT2LMHeadModel",
+}
+ENV_VARS = (
+    "TOKENMILL_PLUGINS",
+    "TOKENMILL_PLATFORM",
+    "TOKENMILL_ATTENTION_BACKEND",
+    "TOKENMILL_EXAMPLE_PLATFORM",
+)
+
+
+def _forget_example_modules() -> None:
+    for name in [m for m in sys.modules if m.startswith("tokenmill_example_plugin")]:
+        del sys.modules[name]
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory) -> Iterator[Path]:
+    """``pip install`` the example into a private directory put on ``sys.path``; undone after."""
+    root = tmp_path_factory.mktemp("example_plugin")
+    src, target = root / "src", root / "site"
+    ignore = shutil.ignore_patterns("build", "*.egg-info", "__pycache__")
+    shutil.copytree(EXAMPLE_SRC, src, ignore=ignore)
+    pip = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+         "--target", str(target), str(src)],
+        capture_output=True,
+        text=True,
+    )
+    assert pip.returncode == 0, pip.stderr
+    with pytest.MonkeyPatch.context() as mp:
+        for var in ENV_VARS:
+            mp.delenv(var, raising=False)
+        mp.syspath_prepend(str(target))
+        plugins.reload_plugins()
+        yield target
+    _forget_example_modules()
+    importlib.invalidate_caches()
+    plugins.reload_plugins()
+
+
+@pytest.fixture(scope="module")
+def hf_gpt2(tmp_path_factory) -> tuple[GPT2LMHeadModel, Path]:
+    """A random tiny GPT-2 saved by transformers; biases and LayerNorms perturbed so they count."""
+    config = GPT2Config(
+        n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=256,
+        initializer_range=0.2, bos_token_id=None, eos_token_id=None,
+    )
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias") or ".ln_" in name:
+                param.add_(torch.randn_like(param) * 0.1)
+    path = tmp_path_factory.mktemp("gpt2")
+    model.save_pretrained(str(path))
+    return model, path
+
+
+@pytest.fixture(scope="module")
+def legacy_gpt2(hf_gpt2, tmp_path_factory) -> Path:
+    """The same weights named like OpenAI's original checkpoint: no ``transformer.`` prefix, no
+    ``lm_head``, and the causal-mask buffers ``h.N.attn.bias``."""
+    _, path = hf_gpt2
+    legacy = tmp_path_factory.mktemp("gpt2_legacy")
+    shutil.copy(path / "config.json", legacy / "config.json")
+    tensors = {
+        name.removeprefix("transformer."): t
+        for name, t in load_file(path / "model.safetensors").items()
+        if not name.startswith("lm_head.")
+    }
+    for i in range(2):
+        tensors[f"h.{i}.attn.bias"] = torch.tril(torch.ones(256, 256)).view(1, 1, 256, 256)
+    save_file(tensors, legacy / "model.safetensors", metadata={"format": "pt"})
+    return legacy
+
+
+def test_parts_registered_from_distribution(installed):
+    for kind, name in PARTS.items():
+        reg = plugins.get_registry(kind).get(name)
+        assert (reg.plugin, reg.distribution) == ("example", DIST)
+
+
+def test_cli_lists_parts(installed):
+    env = {k: v for k, v in os.environ.items() if k not in ENV_VARS}
+    env["PYTHONPATH"] = os.pathsep.join([str(installed), env.get("PYTHONPATH", "")])
+    out = subprocess.run(
+        [sys.executable, "-m", "tokenmill", "plugins"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    lines = {line.split()[0]: line for line in out.splitlines() if line.startswith("  ")}
+    for name in PARTS.values():
+        assert f"from {DIST}" in lines[name]
+    assert "[selected]" not in lines["example"]
+
+
+def test_default_platform_unchanged(installed):
+    default = select_platform()
+    assert plugins.get_registry("platforms").get(default.name).distribution == "tokenmill"
+
+
+@pytest.mark.parametrize(
+    "env", [{"TOKENMILL_PLATFORM": "example"}, {"TOKENMILL_EXAMPLE_PLATFORM": "1"}]
+)
+def test_platform_chosen_when_asked(installed, monkeypatch, env):
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    platform = select_platform()
+    assert platform.name == "example"
+    backend = select_attention_backend(platform, AttentionConfig(head_size=16, dtype=torch.float32))
+    assert backend.get_name() == "example-hnd"
+
+
+def test_platform_dtype_policy(installed, hf_gpt2):
+    with pytest.raises(ValueError, match="bfloat16 is not supported on platform 'example'"):
+        LLM(model=str(hf_gpt2[1]), platform="example", dtype="bfloat16")
+
+
+def i32(values: list[int]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32)
+
+
+def _step(reqs: list[tuple[list[int], int, int]], block_size: int) -> CommonAttentionMetadata:
+    """Metadata for one step; ``reqs`` holds (block row, tokens already cached, new tokens)."""
+    qsl, slots, seq_lens, computed = [0], [], [], []
+    for blocks, done, new in reqs:
+        qsl.append(qsl[-1] + new)
+        positions = range(done, done + new)
+        slots += [blocks[p // block_size] * block_size + p % block_size for p in positions]
+        seq_lens.append(done + new)
+        computed.append(done)
+    width = max(len(b) for b, _, _ in reqs)
+    table = torch.tensor([b + [0] * (width - len(b)) for b, _, _ in reqs], dtype=torch.int32)
+    return CommonAttentionMetadata(
+        query_start_loc=i32(qsl), query_start_loc_cpu=i32(qsl), seq_lens=i32(seq_lens),
+        seq_lens_cpu=i32(seq_lens), num_computed_tokens_cpu=i32(computed), block_table=table,
+        slot_mapping=torch.tensor(slots), num_reqs=len(reqs), num_actual_tokens=qsl[-1],
+        max_query_len=max(n for _, _, n in reqs), max_seq_len=max(seq_lens),
+    )
+
+
+def test_head_major_backend_matches_reference(installed):
+    """Same steps through both backends: equal outputs, and the caches hold the same K/V with
+    the token and head axes of each block swapped."""
+    backend = plugins.get_registry("attention_backends").load("example-hnd")
+    heads, kv_heads, head_size, block_size, num_blocks = 4, 2, 8, 4, 10
+    spec = FullAttentionSpec(block_size, torch.float32, kv_heads, head_size)
+    caches, impls, builders = {}, {}, {}
+    for b in (backend, TorchRefBackend):
+        caches[b] = torch.zeros(b.get_kv_cache_shape(num_blocks, block_size, kv_heads, head_size))
+        impls[b] = b.get_impl_cls()(heads, head_size, head_size**-0.5, kv_heads)
+        builders[b] = b.get_metadata_builder_cls()(spec, torch.device("cpu"))
+    assert caches[backend].shape == (2, num_blocks, kv_heads, block_size, head_size)
+
+    a_blocks, b_blocks = [7, 2, 5], [9, 0]
+    steps = [  # prefill of A and B; then a chunk of A with a decode of B; then two decodes
+        [(a_blocks, 0, 6), (b_blocks, 0, 3)],
+        [(a_blocks, 6, 4), (b_blocks, 3, 1)],
+        [(a_blocks, 10, 1), (b_blocks, 4, 1)],
+    ]
+    torch.manual_seed(0)
+    for reqs in steps:
+        common = _step(reqs, block_size)
+        n = common.num_actual_tokens
+        q = torch.randn(n, heads, head_size)
+        k, v = torch.randn(2, n, kv_heads, head_size)
+        out = {
+            b: impls[b].forward(q, k, v, caches[b], builders[b].build(common))
+            for b in (backend, TorchRefBackend)
+        }
+        torch.testing.assert_close(out[backend], out[TorchRefBackend])
+    torch.testing.assert_close(caches[backend].transpose(2, 3), caches[TorchRefBackend])
+
+
+@pytest.mark.parametrize(
+    "checkpoint, engine_args",
+    [
+        ("transformers", {}),
+        ("transformers", {"max_num_batched_tokens": 16, "block_size": 8}),
+        ("legacy", {}),
+    ],
+    ids=["default", "chunked-prefill", "legacy-names"],
+)
+def test_gpt2_greedy_matches_hf(installed, hf_gpt2, legacy_gpt2, checkpoint, engine_args):
+    hf, path = hf_gpt2
+    model_dir = path if checkpoint == "transformers" else legacy_gpt2
+    rng = random.Random(0)
+    prompts = [[rng.randrange(256) for _ in range(n)] for n in (3, 20, 41)]
+    llm = LLM(
+        model=str(model_dir), platform="example", attention_backend="example-hnd",
+        num_kv_blocks=64, **engine_args,
+    )
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
+    refs = [hf_greedy(hf, p, 12) for p in prompts]
+    for _ in range(2):  # the second pass reads prompts back from the prefix cache
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        for out, (ref, scores) in zip(outputs, refs):
+            assert_greedy_close(out.outputs[0].token_ids, out.outputs[0].logprobs, ref, scores)
+    stats = llm.get_stats()
+    assert stats["prefix_cache_hit_tokens"] > 0
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
+def test_uninstall_removes_parts(installed):
+    dist_info = next(installed.glob("tokenmill_example_plugin-*.dist-info"))
+    package = installed / "tokenmill_example_plugin"
+    away = installed.parent / "uninstalled"
+    away.mkdir(exist_ok=True)
+    try:
+        for path in (dist_info, package):
+            path.rename(away / path.name)
+        importlib.invalidate_caches()
+        plugins.reload_plugins()
+        for kind, name in PARTS.items():
+            assert name not in plugins.get_registry(kind)
+        assert "cpu" in plugins.get_registry("platforms")
+    finally:
+        for path in (dist_info, package):
+            (away / path.name).rename(path)
+        importlib.invalidate_caches()
+        plugins.reload_plugins()

@@ -1,0 +1,368 @@
+"""The plugin framework: entry-point discovery, ``TOKENMILL_PLUGINS``, errors that name the plugin
+and its distribution, runtime registration and name lookups.
+
+Fake distributions are a module plus a ``*.dist-info`` (METADATA, entry_points.txt) written to a
+temporary directory on ``sys.path``, which ``importlib.metadata`` discovers like installed ones.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import shutil
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import make_tiny_checkpoint
+from tokenmill import LLM, SamplingParams, cli, plugins
+from tokenmill.attention_backends.torch_ref import TorchRefBackend
+from tokenmill.interfaces import AttentionConfig, ModelRegistry
+from tokenmill.models.llama import LlamaForCausalLM
+from tokenmill.platforms.cpu import CpuPlatform
+from tokenmill.plugins import PluginError
+from tokenmill.selector import select_attention_backend, select_platform
+
+ENV_VARS = ("TOKENMILL_PLUGINS", "TOKENMILL_PLATFORM", "TOKENMILL_ATTENTION_BACKEND")
+ATTN = AttentionConfig(head_size=16, dtype=torch.float32)
+
+PARTS_MODULE = """
+from tokenmill.interfaces import AttentionBackend, Platform
+
+class FakePlatform(Platform):
+    name = "fake"
+
+class FakeBackend(AttentionBackend):
+    @classmethod
+    def validate_configuration(cls, config):
+        return ["fake reason"]
+
+class FakeModel: ...
+
+class FakeProposer: ...
+
+class FakeQuant: ...
+"""
+
+HOOKS_MODULE = """
+from tokenmill.plugins import hookimpl
+
+@hookimpl
+def register_platforms(register):
+    register("fake", "fake_tm_parts:FakePlatform")
+
+@hookimpl
+def register_attention_backends(register):
+    register("fake-attn", "fake_tm_parts:FakeBackend")
+
+@hookimpl
+def register_models(register):
+    register("FakeForCausalLM", "fake_tm_parts:FakeModel")
+
+@hookimpl
+def register_proposers(register):
+    register("fake-spec", "fake_tm_parts:FakeProposer")
+
+@hookimpl
+def register_quantization_methods(register):
+    register("fake-quant", "fake_tm_parts:FakeQuant")
+"""
+
+FAKE_PARTS = {
+    "platforms": ("fake", "fake_tm_parts:FakePlatform"),
+    "attention_backends": ("fake-attn", "fake_tm_parts:FakeBackend"),
+    "models": ("FakeForCausalLM", "fake_tm_parts:FakeModel"),
+    "proposers": ("fake-spec", "fake_tm_parts:FakeProposer"),
+    "quantization_methods": ("fake-quant", "fake_tm_parts:FakeQuant"),
+}
+
+
+class FakeSite:
+    """A ``sys.path`` directory to write fake distributions into."""
+
+    def __init__(self, root: Path, mp: pytest.MonkeyPatch) -> None:
+        self.root = root
+        self.mp = mp
+        self.modules: list[str] = []
+
+    def install(
+        self, dist: str, entry_point: str, modules: dict[str, str], ep_name: str = "fake"
+    ) -> None:
+        """Write ``modules`` (name -> source) and a distribution ``dist`` whose entry point
+        ``ep_name`` names ``entry_point``."""
+        for name, source in modules.items():
+            (self.root / f"{name}.py").write_text(textwrap.dedent(source))
+            self.modules.append(name)
+        info = self.root / f"{dist.replace('-', '_')}-1.0.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 1.0\n")
+        (info / "entry_points.txt").write_text(f"[tokenmill.plugins]\n{ep_name} = {entry_point}\n")
+        importlib.invalidate_caches()
+
+
+@pytest.fixture
+def site(tmp_path) -> Iterator[FakeSite]:
+    """No plugin environment variables or runtime registrations; restored and reloaded after."""
+    with pytest.MonkeyPatch.context() as mp:
+        for var in ENV_VARS:
+            mp.delenv(var, raising=False)
+        mp.setattr(plugins, "_runtime", [])
+        mp.syspath_prepend(str(tmp_path))
+        fake = FakeSite(tmp_path, mp)
+        yield fake
+        for name in fake.modules:
+            sys.modules.pop(name, None)
+    importlib.invalidate_caches()
+    plugins.reload_plugins()
+
+
+@pytest.fixture
+def fake_plugin(site):
+    modules = {"fake_tm_hooks": HOOKS_MODULE, "fake_tm_parts": PARTS_MODULE}
+    site.install("fake-tm-plugin", "fake_tm_hooks", modules)
+    return site
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory) -> str:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny_llama"))
+
+
+def test_fake_plugin_fills_every_registry(fake_plugin):
+    plugins.reload_plugins()
+    for kind, (name, target) in FAKE_PARTS.items():
+        reg = plugins.get_registry(kind).get(name)
+        assert (reg.target, reg.plugin, reg.distribution) == (target, "fake", "fake-tm-plugin")
+    assert "fake_tm_parts" not in sys.modules, "targets are imported only when chosen"
+    assert plugins.get_registry("platforms").load("fake").__name__ == "FakePlatform"
+    assert "cpu" in plugins.get_registry("platforms")
+
+
+def test_cli_lists_fake_plugin(fake_plugin, capsys):
+    plugins.reload_plugins()
+    assert cli.main(["plugins"]) == 0
+    out = capsys.readouterr().out
+    lines = {line.split()[0]: line for line in out.splitlines() if line.startswith("  ")}
+    for name, target in FAKE_PARTS.values():
+        assert target in lines[name] and "from fake-tm-plugin" in lines[name]
+    assert "[not available]" in lines["fake"]
+    assert "[unavailable: fake reason]" in lines["fake-attn"]
+
+
+@pytest.mark.parametrize(
+    "allowed, present, absent",
+    [
+        ("fake", ["fake"], ["cpu"]),
+        (" platforms , models ", ["cpu"], ["fake"]),
+    ],
+)
+def test_tokenmill_plugins_filters_entry_points(fake_plugin, allowed, present, absent):
+    fake_plugin.mp.setenv("TOKENMILL_PLUGINS", allowed)
+    plugins.reload_plugins()
+    names = plugins.get_registry("platforms").names()
+    assert all(n in names for n in present) and not any(n in names for n in absent)
+
+
+BROKEN = {
+    "import-error": ("broken_tm", "import missing_dependency_xyz\n", "failed to load"),
+    "missing-module": ("broken_tm_missing", None, "failed to load"),
+    "hook-raises": (
+        "broken_tm",
+        """
+        from tokenmill.plugins import hookimpl
+
+        @hookimpl
+        def register_models(register):
+            raise RuntimeError("boom")
+        """,
+        "failed in register_models: boom",
+    ),
+    "bad-target": (
+        "broken_tm",
+        """
+        from tokenmill.plugins import hookimpl
+
+        @hookimpl
+        def register_models(register):
+            register("Broken", "no_colon_here")
+        """,
+        "expected register(name, 'module:Class')",
+    ),
+    "bad-hook-signature": (
+        "broken_tm",
+        """
+        from tokenmill.plugins import hookimpl
+
+        @hookimpl
+        def register_models(registry):
+            pass
+        """,
+        "is not a valid tokenmill plugin",
+    ),
+    "misspelled-hook": (
+        "broken_tm",
+        """
+        from tokenmill.plugins import hookimpl
+
+        @hookimpl
+        def register_model(register):
+            pass
+        """,
+        "unknown hook 'register_model'",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BROKEN))
+def test_broken_plugin_is_an_error_naming_it(site, case):
+    module, source, fragment = BROKEN[case]
+    site.install("broken-dist", module, {module: source} if source else {}, ep_name="broken")
+    with pytest.raises(PluginError) as err:
+        plugins.reload_plugins()
+    message = str(err.value)
+    assert "plugin 'broken'" in message and "'broken-dist'" in message and fragment in message
+
+
+def test_unimportable_target_fails_when_chosen_naming_plugin(site):
+    site.install(
+        "broken-dist",
+        "broken_tm",
+        {
+            "broken_tm": """
+            from tokenmill.plugins import hookimpl
+
+            @hookimpl
+            def register_models(register):
+                register("BrokenForCausalLM", "broken_tm_nowhere:Model")
+            """
+        },
+        ep_name="broken",
+    )
+    plugins.reload_plugins()
+    with pytest.raises(PluginError, match="plugin 'broken' from distribution 'broken-dist'"):
+        ModelRegistry.resolve(["BrokenForCausalLM"])
+
+
+def test_same_part_name_from_two_plugins_is_an_error(fake_plugin):
+    fake_plugin.install(
+        "other-dist",
+        "other_tm",
+        {
+            "other_tm": """
+            from tokenmill.plugins import hookimpl
+
+            @hookimpl
+            def register_models(register):
+                register("FakeForCausalLM", "other_tm:Model")
+            """
+        },
+        ep_name="other",
+    )
+    with pytest.raises(PluginError, match="'FakeForCausalLM' registered twice") as err:
+        plugins.reload_plugins()
+    assert "fake-tm-plugin" in str(err.value) and "other-dist" in str(err.value)
+
+
+def test_same_plugin_name_from_two_distributions_is_an_error(fake_plugin):
+    fake_plugin.install("other-dist", "other_tm", {"other_tm": "\n"}, ep_name="fake")
+    with pytest.raises(PluginError, match="plugin name 'fake' is used by distribution") as err:
+        plugins.reload_plugins()
+    assert "fake-tm-plugin" in str(err.value) and "other-dist" in str(err.value)
+
+
+@pytest.mark.parametrize("auto_selectable", [True, False])
+def test_available_out_of_tree_platform_wins_unless_not_auto_selectable(site, auto_selectable):
+    builtin_default = select_platform().name
+    site.install(
+        "avail-dist",
+        "avail_tm",
+        {
+            "avail_tm": f"""
+            from tokenmill.interfaces import Platform
+            from tokenmill.plugins import hookimpl
+
+            class AvailPlatform(Platform):
+                name = "avail"
+
+                @classmethod
+                def is_available(cls):
+                    return True
+
+                @classmethod
+                def is_auto_selectable(cls):
+                    return {auto_selectable}
+
+            @hookimpl
+            def register_platforms(register):
+                register("avail", "avail_tm:AvailPlatform")
+            """
+        },
+    )
+    plugins.reload_plugins()
+    assert select_platform().name == ("avail" if auto_selectable else builtin_default)
+    assert select_platform("avail").name == "avail"
+
+
+def test_runtime_model_registration(site, tiny_llama, tmp_path):
+    ModelRegistry.register_model("MyLlamaForCausalLM", "tokenmill.models.llama:LlamaForCausalLM")
+    plugins.reload_plugins()  # runtime registrations survive a reload
+    assert "MyLlamaForCausalLM" in ModelRegistry.supported_archs()
+    assert plugins.get_registry("models").get("MyLlamaForCausalLM").distribution == plugins.RUNTIME
+    resolved = ModelRegistry.resolve(["Unknown", "MyLlamaForCausalLM"])
+    assert resolved == (LlamaForCausalLM, "MyLlamaForCausalLM")
+
+    model_dir = tmp_path / "my_llama"
+    shutil.copytree(tiny_llama, model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    config["architectures"] = ["MyLlamaForCausalLM"]
+    (model_dir / "config.json").write_text(json.dumps(config))
+    llm = LLM(model=str(model_dir), num_kv_blocks=16)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    out = llm.generate({"prompt_token_ids": [1, 2, 3]}, params, use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_runtime_registration_of_every_kind(site):
+    plugins.register_platform("cpu-again", "tokenmill.platforms.cpu:CpuPlatform")
+    plugins.register_attention_backend(
+        "torch-again", "tokenmill.attention_backends.torch_ref:TorchRefBackend"
+    )
+    plugins.register_proposer("my-spec", "somewhere:Proposer")
+    plugins.register_quantization_method("my-quant", "somewhere:Method")
+    assert select_platform("cpu-again") is CpuPlatform
+    assert select_attention_backend(CpuPlatform, ATTN, "torch-again") is TorchRefBackend
+    assert "my-spec" in plugins.get_registry("proposers")
+    assert "my-quant" in plugins.get_registry("quantization_methods")
+
+
+def test_runtime_registration_rejects_bad_input(site):
+    with pytest.raises(ValueError, match="'no_colon' must be 'module:Class'"):
+        ModelRegistry.register_model("X", "no_colon")
+    with pytest.raises(ValueError, match="unknown plugin kind 'widgets'"):
+        plugins.register("widgets", "x", "a:B")
+
+
+UNKNOWN_NAMES = {
+    "platform": ({}, lambda model: select_platform("nope")),
+    "TOKENMILL_PLATFORM": ({"TOKENMILL_PLATFORM": "nope"}, lambda model: select_platform()),
+    "backend": ({}, lambda model: select_attention_backend(CpuPlatform, ATTN, "nope")),
+    "TOKENMILL_ATTENTION_BACKEND": (
+        {"TOKENMILL_ATTENTION_BACKEND": "nope"},
+        lambda model: select_attention_backend(CpuPlatform, ATTN),
+    ),
+    "LLM-platform": ({}, lambda model: LLM(model=model, platform="nope")),
+    "LLM-backend": ({}, lambda model: LLM(model=model, attention_backend="nope", num_kv_blocks=16)),
+}
+
+
+@pytest.mark.parametrize("case", list(UNKNOWN_NAMES))
+def test_unknown_name_is_a_value_error_naming_it(site, tiny_llama, case):
+    env, choose = UNKNOWN_NAMES[case]
+    for var, value in env.items():
+        site.mp.setenv(var, value)
+    with pytest.raises(ValueError, match=r"unknown (platform|attention backend) 'nope'"):
+        choose(tiny_llama)
