@@ -6,7 +6,7 @@ import argparse
 import importlib
 import sys
 
-SUBCOMMAND_MODULES = ("tokenmill.benchmarks",)
+SUBCOMMAND_MODULES = ("tokenmill.benchmarks", "tokenmill.entrypoints.serve")
 """Modules adding their own subcommands via ``register_subcommand(subparsers)``; each keeps
 its heavy imports inside the command so ``tokenmill --help`` stays fast."""
 

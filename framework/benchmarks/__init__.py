@@ -8,6 +8,7 @@ import importlib
 BENCHMARKS = {
     "throughput": "tokenmill.benchmarks.throughput",
     "latency": "tokenmill.benchmarks.latency",
+    "serve": "tokenmill.benchmarks.serve",
 }
 """Each module has ``add_arguments(parser)`` and ``run(args) -> int``."""
 

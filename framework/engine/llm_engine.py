@@ -9,11 +9,13 @@ import time
 from dataclasses import replace
 from typing import Any
 
+from transformers import PreTrainedTokenizerBase
+
 from tokenmill.config import EngineConfig
 from tokenmill.core.kv_cache_utils import make_block_hasher
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.engine.engine_core import EngineCore
-from tokenmill.engine.output_processor import OutputProcessor
+from tokenmill.engine.output_processor import OutputProcessor, RequestOutputKind
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
@@ -38,8 +40,14 @@ class LLMEngine:
     def next_request_id(self) -> str:
         return str(next(self._ids))
 
-    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        """Return the prompt text (if any) and its token ids, or raise ``ValueError``."""
+    def tokenize_prompt(
+        self, prompt: PromptType, tokenizer: PreTrainedTokenizerBase | None = None
+    ) -> tuple[str | None, list[int]]:
+        """Return the prompt text (if any) and its token ids, or raise ``ValueError``.
+
+        ``tokenizer``: an instance to use instead of the engine's own, for callers on
+        another thread than the one stepping the engine."""
+        tokenizer = tokenizer or self.tokenizer
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 ids = prompt["prompt_token_ids"]
@@ -49,13 +57,13 @@ class LLMEngine:
                     raise ValueError("prompt_token_ids must be a list of integers")
                 text, ids = prompt.get("prompt"), list(ids)
             elif "prompt" in prompt:
-                return self.tokenize_prompt(prompt["prompt"])
+                return self.tokenize_prompt(prompt["prompt"], tokenizer)
             else:
                 raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
         elif isinstance(prompt, str):
-            if self.tokenizer is None:
+            if tokenizer is None:
                 raise ValueError("this model has no tokenizer; pass {'prompt_token_ids': [...]}")
-            text, ids = prompt, self.tokenizer.encode(prompt)
+            text, ids = prompt, tokenizer.encode(prompt)
         else:
             raise ValueError(f"prompt must be a str or a dict, got {type(prompt).__name__}")
         self.validate_prompt_ids(ids)
@@ -83,8 +91,12 @@ class LLMEngine:
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
+        output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
     ) -> None:
-        """Validate, tokenize and queue a request; ``n > 1`` runs as n child requests."""
+        """Validate, tokenize and queue a request; ``n > 1`` runs as n child requests.
+
+        ``output_kind`` chooses what ``step()`` reports for it: everything so far, only what
+        is new (for streaming), or one output at the end."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError("sampling_params must be a SamplingParams")
@@ -93,7 +105,9 @@ class LLMEngine:
         text, ids = self.tokenize_prompt(prompt)
         arrival_time = arrival_time or time.monotonic()
         child_ids = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
-        self.output_processor.add_request(request_id, text, ids, params, child_ids, arrival_time)
+        self.output_processor.add_request(
+            request_id, text, ids, params, child_ids, arrival_time, output_kind
+        )
         max_tokens = params.max_tokens or self.config.max_model_len - len(ids)
         for i, child_id in enumerate(child_ids):
             child_params = params
@@ -123,7 +137,14 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step; return the requests that got new tokens or finished."""
-        processed = self.output_processor.process(self.engine_core.step())
+        start = time.monotonic()
+        core_outputs = self.engine_core.step()
+        self.output_processor.mark_scheduled(
+            [r.request_id for r in self.engine_core.scheduler.running]
+            + [o.req_id for o in core_outputs],
+            start,
+        )
+        processed = self.output_processor.process(core_outputs)
         for child_id, stop_str in processed.stopped_by_string:
             self.engine_core.scheduler.finish_requests(
                 [child_id], RequestStatus.FINISHED_STOPPED, stop_str

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from enum import Enum
 
 from transformers import PreTrainedTokenizerBase
 
@@ -12,6 +13,20 @@ from tokenmill.core.scheduler import EngineCoreOutput
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tokenmill.sampling_params import SamplingParams
+
+
+class RequestOutputKind(Enum):
+    """What the ``RequestOutput``s of a request carry (vLLM's names).
+
+    CUMULATIVE: at every step, all text and tokens so far. DELTA: at every step, fresh
+    ``CompletionOutput``s of only the completions that changed, holding only what is new.
+    FINAL_ONLY: one output, when the request finishes. While a completion runs, its text
+    holds back a tail that could still become a stop string.
+    """
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclass
@@ -23,19 +38,43 @@ class RequestState:
     completions: list[CompletionOutput]
     detokenizers: list[IncrementalDetokenizer | None]
     metrics: RequestMetrics
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     num_cached_tokens: int = 0
     num_unfinished: int = field(init=False)
+    deltas: list[CompletionOutput] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.num_unfinished = len(self.completions)
 
-    def to_output(self) -> RequestOutput:
+    def add_delta(
+        self, index: int, text: str, token_ids: list[int], logprobs: list[dict[int, float]] | None
+    ) -> None:
+        completion = self.completions[index]
+        self.deltas.append(
+            CompletionOutput(
+                index,
+                text,
+                list(token_ids),
+                completion.finish_reason,
+                completion.stop_reason,
+                None if completion.logprobs is None else list(logprobs or []),
+            )
+        )
+
+    def to_output(self) -> RequestOutput | None:
+        """The output for this step in the request's ``output_kind``; None when there is none."""
+        finished = self.num_unfinished == 0
+        if self.output_kind is RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        outputs = self.completions
+        if self.output_kind is RequestOutputKind.DELTA:
+            outputs, self.deltas = self.deltas, []
         return RequestOutput(
             self.request_id,
             self.prompt,
             self.prompt_token_ids,
-            self.completions,
-            self.num_unfinished == 0,
+            outputs,
+            finished,
             self.num_cached_tokens,
             self.metrics,
         )
@@ -65,6 +104,7 @@ class OutputProcessor:
         params: SamplingParams,
         child_ids: list[str],
         arrival_time: float,
+        output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
     ) -> None:
         detokenizers = [
             IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
@@ -84,6 +124,7 @@ class OutputProcessor:
             completions,
             detokenizers,
             RequestMetrics(arrival_time),
+            output_kind,
         )
         self.requests[request_id] = state
         for i, child_id in enumerate(child_ids):
@@ -111,14 +152,25 @@ class OutputProcessor:
             detok = state.detokenizers[index]
             if detok is not None:
                 stop_str = detok.update(out.new_token_ids, finish_reason == "stop")
-                completion.text = detok.output_text
                 if stop_str is not None and finish_reason is None:
                     finish_reason, stop_reason = "stop", stop_str
                     stopped.append((out.req_id, stop_str))
-            if finish_reason is not None:
+                completion.text = detok.get_next_output_text(finish_reason is not None, delta=False)
+            finished = finish_reason is not None
+            if finished:
                 self._finish_child(state, out.req_id, completion, finish_reason, stop_reason, now)
+            if state.output_kind is RequestOutputKind.DELTA:
+                text = "" if detok is None else detok.get_next_output_text(finished, delta=True)
+                state.add_delta(index, text, out.new_token_ids, out.new_logprobs)
             touched[state.request_id] = state
-        return ProcessedOutputs([s.to_output() for s in touched.values()], stopped)
+        return ProcessedOutputs(_outputs(touched.values()), stopped)
+
+    def mark_scheduled(self, child_ids: list[str], now: float) -> None:
+        """Note ``now`` as the first-scheduled time of these children's requests, if unset."""
+        for child_id in child_ids:
+            entry = self.child_to_parent.get(child_id)
+            if entry is not None and entry[0].metrics.first_scheduled_time is None:
+                entry[0].metrics.first_scheduled_time = now
 
     def abort(self, child_ids: list[str]) -> list[RequestOutput]:
         now = time.monotonic()
@@ -129,8 +181,10 @@ class OutputProcessor:
                 continue
             state, index = entry
             self._finish_child(state, child_id, state.completions[index], "abort", None, now)
+            if state.output_kind is RequestOutputKind.DELTA:
+                state.add_delta(index, "", [], [])
             touched[state.request_id] = state
-        return [s.to_output() for s in touched.values()]
+        return _outputs(touched.values())
 
     def unfinished_children(self, request_id: str) -> list[str]:
         state = self.requests.get(request_id)
@@ -158,3 +212,7 @@ class OutputProcessor:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+
+def _outputs(states) -> list[RequestOutput]:
+    return [o for o in (s.to_output() for s in states) if o is not None]

@@ -1,0 +1,159 @@
+"""The OpenAI-compatible HTTP server: FastAPI routes over one ``AsyncLLM``."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import asynccontextmanager
+from http import HTTPStatus
+from typing import TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from tokenmill.engine.async_llm import AsyncLLM
+from tokenmill.entrypoints.openai.errors import (
+    OpenAIError,
+    from_exception,
+    from_validation_error,
+    model_not_found,
+)
+from tokenmill.entrypoints.openai.metrics import PrometheusMetrics
+from tokenmill.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+)
+from tokenmill.entrypoints.openai.serving_chat import OpenAIServingChat
+from tokenmill.entrypoints.openai.serving_completions import OpenAIServingCompletion
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class APIKeyMiddleware:
+    """401 for ``/v1/*`` requests without ``Authorization: Bearer <api_key>``."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                error = OpenAIError(
+                    "Incorrect API key provided.", HTTPStatus.UNAUTHORIZED, code="invalid_api_key"
+                )
+                await error.to_response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def build_app(
+    engine: AsyncLLM, served_model_names: list[str], api_key: str | None = None
+) -> FastAPI:
+    """The FastAPI app serving ``engine`` under ``served_model_names`` (the first is the one
+    responses name); it shuts the engine down when the app stops."""
+    metrics = PrometheusMetrics(engine.get_stats, served_model_names[0])
+    engine.stat_loggers.append(metrics)
+    completions = OpenAIServingCompletion(engine, served_model_names)
+    chat = OpenAIServingChat(engine, served_model_names)
+    root = engine.engine.config.model_path
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        engine.shutdown()
+
+    app = FastAPI(title="tokenmill", lifespan=lifespan)
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+
+    @app.exception_handler(OpenAIError)
+    async def openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
+        return exc.to_response()
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return from_validation_error(exc).to_response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return OpenAIError(str(exc.detail), HTTPStatus(exc.status_code), kind).to_response()
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("request failed")
+        return from_exception(exc).to_response()
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not engine.is_running():
+            return OpenAIError(
+                "the engine is not running", HTTPStatus.SERVICE_UNAVAILABLE, "server_error"
+            ).to_response()
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    def model_card(name: str) -> ModelCard:
+        return ModelCard(id=name, root=root, max_model_len=engine.max_model_len)
+
+    @app.get("/v1/models")
+    async def list_models() -> ModelList:
+        return ModelList(data=[model_card(name) for name in served_model_names])
+
+    @app.get("/v1/models/{model:path}")
+    async def retrieve_model(model: str) -> ModelCard:
+        if model not in served_model_names:
+            raise model_not_found(model)
+        return model_card(model)
+
+    @app.post("/v1/completions")
+    async def create_completion(body: CompletionRequest, raw: Request) -> Response:
+        return await _respond(completions.create_completion(body), raw)
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Response:
+        return await _respond(chat.create_chat_completion(body), raw)
+
+    return app
+
+
+async def _respond(result: Awaitable, raw: Request) -> Response:
+    """Await the handler while watching for a client disconnect, which cancels it (and so
+    aborts its requests); then wrap the result as JSON or as an event stream."""
+    out = await _cancel_on_disconnect(result, raw)
+    if isinstance(out, AsyncIterator):
+        return StreamingResponse(out, media_type="text/event-stream")
+    return Response(out.model_dump_json(), media_type="application/json")
+
+
+async def _cancel_on_disconnect(result: Awaitable[T], raw: Request) -> T:
+    handler = asyncio.ensure_future(result)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(raw))
+    try:
+        done, _ = await asyncio.wait((handler, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not handler.done():
+            handler.cancel()
+    if handler not in done:
+        raise OpenAIError("the client disconnected", HTTPStatus.BAD_REQUEST)
+    return handler.result()
+
+
+async def _wait_for_disconnect(raw: Request) -> None:
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass

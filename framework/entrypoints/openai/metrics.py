@@ -1,0 +1,191 @@
+"""Prometheus metrics under ``tokenmill:``, named as vLLM's ``vllm:`` ones.
+
+Request histograms and the success counter are recorded as requests finish; the engine's
+counters and gauges (tokens, KV blocks, prefix cache, preemptions) are read from its
+latest ``get_stats()`` at each scrape."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from tokenmill.engine.async_llm import RequestStats
+
+TTFT_BUCKETS = [
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+]
+TPOT_BUCKETS = [
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+]
+LATENCY_BUCKETS = [
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+]
+
+ENGINE_COUNTERS = {
+    "num_prompt_tokens": ("prompt_tokens", "Prompt tokens processed."),
+    "num_generated_tokens": ("generation_tokens", "Tokens generated."),
+    "num_preemptions": ("num_preemptions", "Requests preempted (recomputed)."),
+    "prefix_cache_query_tokens": (
+        "prefix_cache_queries",
+        "Prompt tokens looked up in the prefix cache.",
+    ),
+    "prefix_cache_hit_tokens": ("prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+    "spec_num_drafts": ("spec_decode_num_drafts", "Speculative-decoding drafts."),
+    "spec_num_draft_tokens": ("spec_decode_num_draft_tokens", "Draft tokens proposed."),
+    "spec_num_accepted_tokens": ("spec_decode_num_accepted_tokens", "Draft tokens accepted."),
+}
+"""get_stats() key -> (metric name after ``tokenmill:``, help); exported as ``..._total``."""
+
+ENGINE_GAUGES = {
+    "num_running_requests": ("num_requests_running", "Requests in the running batch."),
+    "num_waiting_requests": ("num_requests_waiting", "Requests waiting to be scheduled."),
+    "kv_blocks_total": ("kv_blocks_total", "KV-cache blocks in the pool."),
+    "kv_blocks_free": ("kv_blocks_free", "KV-cache blocks free (cached or empty)."),
+}
+
+
+class EngineStatsCollector(Collector):
+    """Exports ``get_stats()`` as counters and gauges at scrape time."""
+
+    def __init__(self, get_stats: Callable[[], dict[str, int]], model_name: str) -> None:
+        self.get_stats = get_stats
+        self.model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.get_stats()
+        for key, (name, doc) in ENGINE_COUNTERS.items():
+            if key in stats:
+                metric = CounterMetricFamily(f"tokenmill:{name}", doc, labels=["model_name"])
+                metric.add_metric([self.model_name], stats[key])
+                yield metric
+        for key, (name, doc) in ENGINE_GAUGES.items():
+            metric = GaugeMetricFamily(f"tokenmill:{name}", doc, labels=["model_name"])
+            metric.add_metric([self.model_name], stats[key])
+            yield metric
+        usage = GaugeMetricFamily(
+            "tokenmill:kv_cache_usage_perc",
+            "Fraction of KV-cache blocks in use.",
+            labels=["model_name"],
+        )
+        total = stats["kv_blocks_total"]
+        usage.add_metric([self.model_name], 1 - stats["kv_blocks_free"] / total if total else 0.0)
+        yield usage
+
+
+class PrometheusMetrics:
+    """One registry per server; ``record_finished`` makes it an ``AsyncLLM`` stat logger."""
+
+    def __init__(self, get_stats: Callable[[], dict[str, int]], model_name: str) -> None:
+        disable_created_metrics()
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        self.request_success = Counter(
+            "tokenmill:request_success",
+            "Finished requests, by finish reason.",
+            labels + ["finished_reason"],
+            registry=self.registry,
+        )
+        self.ttft = self._histogram(
+            "time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS
+        )
+        self.tpot = self._histogram(
+            "request_time_per_output_token_seconds",
+            "Time per output token after the first.",
+            TPOT_BUCKETS,
+        )
+        self.e2e = self._histogram(
+            "e2e_request_latency_seconds", "Request latency, end to end.", LATENCY_BUCKETS
+        )
+        self.queue_time = self._histogram(
+            "request_queue_time_seconds", "Time from arrival to first scheduling.", LATENCY_BUCKETS
+        )
+        self.registry.register(EngineStatsCollector(get_stats, model_name))
+
+    def _histogram(self, name: str, doc: str, buckets: list[float]) -> Histogram:
+        return Histogram(
+            f"tokenmill:{name}", doc, ["model_name"], buckets=buckets, registry=self.registry
+        ).labels(self.model_name)
+
+    def record_finished(self, stats: RequestStats) -> None:
+        for reason in stats.finish_reasons:
+            self.request_success.labels(self.model_name, reason).inc()
+        self.e2e.observe(stats.e2e_latency)
+        if stats.time_to_first_token is not None:
+            self.ttft.observe(stats.time_to_first_token)
+        if stats.time_per_output_token is not None:
+            self.tpot.observe(stats.time_per_output_token)
+        if stats.queue_time is not None:
+            self.queue_time.observe(stats.queue_time)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return generate_latest(self.registry)

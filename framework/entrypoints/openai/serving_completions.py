@@ -1,0 +1,161 @@
+"""``POST /v1/completions``."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from tokenmill.engine.async_llm import RequestStream
+from tokenmill.entrypoints.openai.errors import OpenAIError, from_exception
+from tokenmill.entrypoints.openai.protocol import (
+    CompletionLogProbs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionResponseChoice,
+    CompletionStreamResponse,
+    UsageInfo,
+)
+from tokenmill.entrypoints.openai.serving_engine import OpenAIServing, merge_streams
+from tokenmill.outputs import CompletionOutput
+
+Prompt = tuple[str | None, list[int]]
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    async def create_completion(
+        self, request: CompletionRequest
+    ) -> CompletionResponse | AsyncIterator[str]:
+        """The response, or for ``stream`` the server-sent events; raises ``OpenAIError``."""
+        self.check_request(request)
+        if request.echo and request.logprobs is not None:
+            raise OpenAIError(
+                "echo with logprobs is not supported (no prompt logprobs)", param="echo"
+            )
+        prompts = [self.tokenize(p, "prompt") for p in _split_prompts(request.prompt)]
+        for _, ids in prompts:
+            self.check_context(len(ids), request.max_tokens)
+        params = self.sampling_params(request, request.max_tokens, request.logprobs)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        streams = await self.start(prompts, params, request_id, bool(request.stream))
+        if request.stream:
+            return self._stream(request, request_id, prompts, streams)
+        outputs = await self.final_outputs(streams)
+        choices = []
+        num_generated = 0
+        for i, output in enumerate(outputs):
+            for c in output.outputs:
+                num_generated += len(c.token_ids)
+                choices.append(self._choice(request, i, c, prompts[i], 0, request.echo))
+        num_prompt = sum(len(ids) for _, ids in prompts)
+        return CompletionResponse(
+            id=request_id,
+            model=self.model_name,
+            choices=choices,
+            usage=UsageInfo(
+                prompt_tokens=num_prompt,
+                completion_tokens=num_generated,
+                total_tokens=num_prompt + num_generated,
+            ),
+        )
+
+    async def _stream(
+        self,
+        request: CompletionRequest,
+        request_id: str,
+        prompts: list[Prompt],
+        streams: list[RequestStream],
+    ) -> AsyncIterator[str]:
+        created = int(time.time())
+
+        def chunk(choices: list[CompletionResponseChoice], usage: UsageInfo | None = None) -> str:
+            body = CompletionStreamResponse(
+                id=request_id, created=created, model=self.model_name, choices=choices, usage=usage
+            )
+            return f"data: {body.model_dump_json()}\n\n"
+
+        offsets = {}
+        num_generated = 0
+        try:
+            async for i, output in merge_streams(streams):
+                for c in output.outputs:
+                    num_generated += len(c.token_ids)
+                    index = i * request.n + c.index
+                    first = index not in offsets
+                    if not (c.text or c.finish_reason or first and request.echo or c.logprobs):
+                        continue
+                    choice = self._choice(
+                        request, i, c, prompts[i], offsets.get(index, 0), first and request.echo
+                    )
+                    offsets[index] = offsets.get(index, 0) + len(choice.text)
+                    yield chunk([choice])
+            if request.stream_options and request.stream_options.include_usage:
+                num_prompt = sum(len(ids) for _, ids in prompts)
+                yield chunk(
+                    [],
+                    UsageInfo(
+                        prompt_tokens=num_prompt,
+                        completion_tokens=num_generated,
+                        total_tokens=num_prompt + num_generated,
+                    ),
+                )
+        except Exception as e:
+            yield from_exception(e).to_sse()
+        finally:
+            self.abort_unfinished(streams)
+        yield "data: [DONE]\n\n"
+
+    def _choice(
+        self,
+        request: CompletionRequest,
+        prompt_index: int,
+        c: CompletionOutput,
+        prompt: Prompt,
+        offset: int,
+        echo: bool,
+    ) -> CompletionResponseChoice:
+        text = c.text
+        if echo:
+            text = self.prompt_text(prompt) + text
+        logprobs = None
+        if request.logprobs is not None and c.logprobs is not None:
+            logprobs = self._logprobs(c, offset + len(text) - len(c.text), request.logprobs)
+        return CompletionResponseChoice(
+            index=prompt_index * request.n + c.index,
+            text=text,
+            logprobs=logprobs,
+            finish_reason=c.finish_reason,
+            stop_reason=c.stop_reason,
+        )
+
+    def prompt_text(self, prompt: Prompt) -> str:
+        text, ids = prompt
+        if text is not None:
+            return text
+        tokenizer = self.engine.tokenizer
+        return tokenizer.decode(ids) if tokenizer is not None else ""
+
+    def _logprobs(self, c: CompletionOutput, offset: int, num: int) -> CompletionLogProbs:
+        out = CompletionLogProbs()
+        for token_id, step in zip(c.token_ids, c.logprobs or []):
+            token = self.token_text(token_id)
+            out.tokens.append(token)
+            out.token_logprobs.append(step.get(token_id))
+            out.text_offset.append(offset)
+            offset += len(token)
+            top = sorted(step.items(), key=lambda kv: kv[1], reverse=True)[:num]
+            if token_id not in dict(top) and token_id in step:
+                top.append((token_id, step[token_id]))
+            out.top_logprobs.append({self.token_text(t): lp for t, lp in top})
+        return out
+
+
+def _split_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
+    """One entry per prompt: a text or a token-id list."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise OpenAIError("prompt must not be empty", param="prompt")
+    if isinstance(prompt[0], int):
+        return [prompt]
+    return list(prompt)

@@ -1,0 +1,169 @@
+"""What the completions and chat endpoints share: model names, request checks, sampling
+parameters, and running prompts as engine requests."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+from tokenmill.engine.async_llm import AsyncLLM, RequestStream
+from tokenmill.engine.output_processor import RequestOutputKind
+from tokenmill.entrypoints.openai.errors import OpenAIError, from_exception, model_not_found
+from tokenmill.entrypoints.openai.protocol import SamplingFields
+from tokenmill.outputs import RequestOutput
+from tokenmill.sampling_params import SamplingParams
+
+SAMPLING_FIELDS = (
+    "n",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "min_tokens",
+    "skip_special_tokens",
+    "include_stop_str_in_output",
+)
+"""Request fields passed to ``SamplingParams`` under the same name, when set."""
+
+PARAM_NAMES = SAMPLING_FIELDS + ("max_tokens", "logprobs", "prompt", "messages")
+
+
+class OpenAIServing:
+    """Base of the endpoint handlers: one engine, served under one or more model names."""
+
+    def __init__(self, engine: AsyncLLM, served_model_names: list[str]) -> None:
+        self.engine = engine
+        self.served_model_names = served_model_names
+        self.model_name = served_model_names[0]
+        self._token_texts: dict[int, str] = {}
+
+    def check_request(self, request: SamplingFields) -> None:
+        """404 for a model name not served; 400 for fields this engine cannot honour."""
+        if request.model is not None and request.model not in self.served_model_names:
+            raise model_not_found(request.model)
+        unsupported = request.unsupported()
+        if unsupported:
+            name, value = next(iter(unsupported.items()))
+            raise OpenAIError(f"{name}={value!r} is not supported by this server", param=name)
+        if request.stream_options is not None and not request.stream:
+            raise OpenAIError(
+                "stream_options is only allowed when stream is true", param="stream_options"
+            )
+
+    def sampling_params(
+        self, request: SamplingFields, max_tokens: int | None, logprobs: int | None
+    ) -> SamplingParams:
+        """``SamplingParams`` from the request; an invalid value is a 400 naming the field."""
+        kwargs: dict[str, Any] = {
+            name: getattr(request, name)
+            for name in SAMPLING_FIELDS
+            if getattr(request, name) is not None
+        }
+        try:
+            return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **kwargs)
+        except ValueError as e:
+            raise from_exception(e, PARAM_NAMES) from None
+
+    def tokenize(self, prompt: str | list[int], param: str) -> tuple[str | None, list[int]]:
+        """Text and token ids of a prompt, checked against the vocabulary and context."""
+        try:
+            if isinstance(prompt, str):
+                return self.engine.tokenize_prompt(prompt)
+            return self.engine.tokenize_prompt({"prompt_token_ids": prompt})
+        except ValueError as e:
+            raise OpenAIError(str(e), param=param) from None
+
+    def check_context(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
+        """OpenAI's 400 when prompt and completion together exceed the context."""
+        limit = self.engine.max_model_len
+        if max_tokens is not None and num_prompt_tokens + max_tokens > limit:
+            raise OpenAIError(
+                f"This model's maximum context length is {limit} tokens. However, you "
+                f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the "
+                f"prompt, {max_tokens} in the completion). Please reduce the length of the "
+                "prompt or completion.",
+                param="max_tokens",
+            )
+
+    async def start(
+        self,
+        prompts: list[tuple[str | None, list[int]]],
+        params: SamplingParams,
+        request_id: str,
+        stream: bool,
+    ) -> list[RequestStream]:
+        """Add one engine request per prompt; if one is refused, abort the others."""
+        kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
+        streams: list[RequestStream] = []
+        try:
+            for i, (text, ids) in enumerate(prompts):
+                prompt = {"prompt": text, "prompt_token_ids": ids}
+                streams.append(
+                    await self.engine.add_request(prompt, params, f"{request_id}-{i}", kind)
+                )
+        except Exception as e:
+            self.abort_unfinished(streams)
+            raise from_exception(e, PARAM_NAMES) from None
+        return streams
+
+    def abort_unfinished(self, streams: list[RequestStream]) -> None:
+        for stream in streams:
+            if not stream.finished:
+                self.engine.abort(stream.request_id)
+
+    async def final_outputs(self, streams: list[RequestStream]) -> list[RequestOutput]:
+        """The finished output of each stream; aborts them all if the caller goes away."""
+        try:
+            return list(await asyncio.gather(*(_last(s) for s in streams)))
+        finally:
+            self.abort_unfinished(streams)
+
+    def token_text(self, token_id: int) -> str:
+        """The text of one token, as logprobs report it."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            tokenizer = self.engine.tokenizer
+            text = tokenizer.decode([token_id]) if tokenizer else f"token_id:{token_id}"
+            self._token_texts[token_id] = text
+        return text
+
+
+async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Outputs of several streams as they come, tagged with the stream's position."""
+    if len(streams) == 1:
+        async for output in streams[0]:
+            yield 0, output
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for output in stream:
+                queue.put_nowait((i, output))
+            queue.put_nowait((i, None))
+        except Exception as e:
+            queue.put_nowait((i, e))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def _last(stream: RequestStream) -> RequestOutput:
+    return [output async for output in stream][-1]
