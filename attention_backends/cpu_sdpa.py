@@ -7,8 +7,10 @@ the reference backend, all about moving fewer bytes:
   token at a time;
 - a prefill chunk with no cached prefix attends over its own K/V with ``is_causal``, reading
   nothing back from the cache;
-- decode tokens of all requests run as one batched call, with the query heads of each KV group
-  folded into the query-length axis, so grouped-query attention needs no K/V expansion.
+- decode tokens (float32) go to a small C kernel (``cpu_kernels.py``) that reads each request's
+  context straight from its blocks, once; without a C compiler they run as one batched SDPA call
+  with the query heads of each KV group folded into the query-length axis, so grouped-query
+  attention needs no K/V expansion.
 
 Padding up to a whole block reads slots that may hold another request's values or be
 unwritten; they are masked out, and since the model runner zero-fills the cache they are always
@@ -18,10 +20,12 @@ finite (a NaN there would leak through ``0 * NaN`` in the weighted sum).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from tokenmill.attention_backends import cpu_kernels
 from tokenmill.interfaces.attention import (
     AttentionBackend,
     AttentionConfig,
@@ -42,7 +46,9 @@ class PrefillChunk:
 @dataclass
 class DecodeBatch:
     token_idx: torch.Tensor  # [B] rows of the single-token requests
-    block_ids: torch.Tensor  # [B, max_blocks]
+    block_ids: torch.Tensor  # [B, max_blocks] int64
+    seq_lens: torch.Tensor  # [B] int64
+    max_len: int
     mask: torch.Tensor  # [B, 1, 1, max_blocks * block_size] bool
 
 
@@ -84,18 +90,25 @@ class CpuSdpaMetadataBuilder(AttentionMetadataBuilder):
         if decode_rows:
             rows = torch.tensor(decode_rows, device=self.device)
             lens = common.seq_lens[rows].long()
-            num_blocks = -(-int(max(seq_lens[i] for i in decode_rows)) // bs)
+            max_len = max(seq_lens[i] for i in decode_rows)
+            num_blocks = -(-max_len // bs)
             block_ids = common.block_table[rows, :num_blocks].long()
             block_pos = torch.arange(num_blocks, device=self.device)
             valid_blocks = block_pos[None, :] * bs < lens[:, None]
             block_ids = torch.where(valid_blocks, block_ids, block_ids[:, :1])
             pos = torch.arange(num_blocks * bs, device=self.device)
             mask = (pos[None, :] < lens[:, None])[:, None, None, :]
-            decode = DecodeBatch(common.query_start_loc[rows].long(), block_ids, mask)
+            decode = DecodeBatch(
+                common.query_start_loc[rows].long(), block_ids, lens, max_len, mask
+            )
         return CpuSdpaMetadata(common.slot_mapping, common.num_actual_tokens, decode, prefills)
 
 
 class CpuSdpaImpl(AttentionImpl):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.kernel = cpu_kernels.load()
+
     def forward(
         self,
         query: torch.Tensor,
@@ -134,7 +147,18 @@ class CpuSdpaImpl(AttentionImpl):
             output[s:e] = out.transpose(0, 1)
 
         decode = attn_metadata.decode
-        if decode is not None:
+        if decode is not None and self.kernel is not None and query.dtype == kv_cache.dtype == torch.float32:
+            output[decode.token_idx] = cpu_kernels.paged_decode_attention(
+                self.kernel,
+                query[decode.token_idx],
+                key_cache,
+                value_cache,
+                decode.block_ids,
+                decode.seq_lens,
+                decode.max_len,
+                self.scale,
+            )
+        elif decode is not None:
             group = self.num_heads // self.num_kv_heads
             b = decode.token_idx.shape[0]
             q = query[decode.token_idx].view(b, self.num_kv_heads, group, self.head_size)

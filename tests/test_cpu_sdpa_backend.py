@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from paged_batches import MIXED_SHAPES, random_batch, run_backend, run_reference
+from tokenmill.attention_backends import cpu_kernels
 from tokenmill.attention_backends.cpu_sdpa import CpuSdpaBackend
 
 SHAPES = MIXED_SHAPES + [
@@ -15,10 +16,20 @@ SHAPES = MIXED_SHAPES + [
 ]
 
 
+@pytest.fixture(params=["c-kernel", "sdpa-fallback"])
+def decode_path(request, monkeypatch):
+    """Decode through the C kernel, and through the SDPA path used without a C compiler."""
+    if request.param == "c-kernel":
+        assert cpu_kernels.load() is not None, "the C kernel should build on this machine"
+    else:
+        monkeypatch.setattr(cpu_kernels, "load", lambda: None)
+    return request.param
+
+
 @pytest.mark.parametrize("query_lens,context_lens", SHAPES)
 @pytest.mark.parametrize("heads,kv_heads,head_size", [(4, 4, 64), (8, 2, 128), (9, 3, 64), (6, 1, 64)])
 @pytest.mark.parametrize("block_size", [16, 5])
-def test_matches_reference(query_lens, context_lens, heads, kv_heads, head_size, block_size):
+def test_matches_reference(decode_path, query_lens, context_lens, heads, kv_heads, head_size, block_size):
     batch = random_batch(query_lens, context_lens, heads, kv_heads, head_size, block_size, seed=len(query_lens) + heads)
     out, cache = run_backend(CpuSdpaBackend, batch)
     ref_out, ref_cache = run_reference(batch)
