@@ -27,7 +27,7 @@ def run(python: str, engine: str, workload: str, model: str, extra: list[str]) -
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"{engine}/{workload} failed:\n{proc.stderr[-3000:]}")
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("{")][-1])
     print(f"  {engine:<10} {workload:<7} {result['output_tok_per_s']:8.1f} output tok/s  "
           f"{result['time_per_output_token_ms']:7.1f} ms/token  peak RSS {result['peak_rss_mib']} MiB",
           flush=True)
