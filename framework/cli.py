@@ -84,14 +84,18 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:
+    import torch
+
+    from tokenmill.interfaces.attention import AttentionConfig
     from tokenmill.plugins import KINDS, get_registry
     from tokenmill.selector import backend_reasons, select_platform
-    from tokenmill.interfaces.attention import AttentionConfig
 
     try:
         platform = select_platform()
     except Exception:
         platform = None
+    device = platform.device_type if platform else "cpu"
+    attn_config = AttentionConfig(head_size=64, dtype=torch.float32, device_type=device)
     for kind in KINDS:
         registry = get_registry(kind)
         print(f"{kind}:")
@@ -101,20 +105,16 @@ def cmd_plugins(args: argparse.Namespace) -> int:
             reg = registry.get(name)
             note = ""
             if kind == "attention_backends":
-                device = platform.device_type if platform else "cpu"
-                reasons = backend_reasons(name, AttentionConfig(head_size=64, dtype=_float32(), device_type=device))
+                reasons = backend_reasons(name, attn_config)
                 note = f"  [unavailable: {'; '.join(reasons)}]" if reasons else ""
             elif kind == "platforms":
                 cls = reg.load()
-                note = "  [selected]" if cls is platform else ("" if cls.is_available() else "  [not available]")
+                if cls is platform:
+                    note = "  [selected]"
+                elif not cls.is_available():
+                    note = "  [not available]"
             print(f"  {name:<24} {reg.target:<60} from {reg.distribution}{note}")
     return 0
-
-
-def _float32():
-    import torch
-
-    return torch.float32
 
 
 def build_parser() -> argparse.ArgumentParser:

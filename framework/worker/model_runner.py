@@ -26,7 +26,8 @@ from tokenmill.interfaces.attention import (
 from tokenmill.layers.attention import Attention
 from tokenmill.layers.build_context import BuildContext
 from tokenmill.model_loader.loader import load_model
-from tokenmill.sample.sampler import Sampler, SamplingMetadata
+from tokenmill.sample.sampler import Sampler, SamplerOutput, SamplingMetadata
+from tokenmill.sampling_params import GREEDY_TEMPERATURE_EPS, SamplingParams
 from tokenmill.selector import select_attention_backend
 from tokenmill.worker.cuda_graph import CudaGraphRunner
 from tokenmill.worker.input_batch import CachedRequestState, InputBatch
@@ -117,9 +118,10 @@ class ModelRunner:
             batch.remove(req_id)
             self.preempted.pop(req_id, None)
         for req_id in out.preempted_req_ids:
-            state = batch.remove(req_id)
+            state = batch.requests.get(req_id)
             if state is not None:
                 self.preempted[req_id] = _PreemptedState(batch.token_list(state.row), state)
+                batch.remove(req_id)
         for new in out.scheduled_new_reqs:
             params = new.sampling_params
             generator = None
@@ -224,7 +226,7 @@ class ModelRunner:
         batch = self.batch
         assert batch is not None
         temperature = batch.temperature[rows]
-        greedy = temperature < 1e-5
+        greedy = temperature < GREEDY_TEMPERATURE_EPS
         top_p, top_k, min_p = batch.top_p[rows], batch.top_k[rows], batch.min_p[rows]
         vocab = self.config.hf_config.vocab_size
         generators: dict[int, torch.Generator] = {}
@@ -254,7 +256,9 @@ class ModelRunner:
             suppress_token_ids=suppress,
         )
 
-    def _logprobs(self, req_ids: list[str], sampling: np.ndarray, sampler_out) -> dict[str, list[dict[int, float]]]:
+    def _logprobs(
+        self, req_ids: list[str], sampling: np.ndarray, sampler_out: SamplerOutput
+    ) -> dict[str, list[dict[int, float]]]:
         if sampler_out.logprobs is None:
             return {}
         ids = sampler_out.logprob_token_ids.cpu().tolist()
@@ -274,7 +278,7 @@ def _head_size(hf_config) -> int:
     return head_dim or hf_config.hidden_size // hf_config.num_attention_heads
 
 
-def _min_tokens_suppress(params, eos_token_id: int | None) -> list[int]:
+def _min_tokens_suppress(params: SamplingParams, eos_token_id: int | None) -> list[int]:
     """Tokens a request may not sample before it has ``min_tokens`` outputs."""
     if params.min_tokens == 0:
         return []
