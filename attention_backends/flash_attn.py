@@ -9,12 +9,11 @@ sequence, which is exactly "a chunk against its cached prefix"). FlashAttention-
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 from dataclasses import dataclass
 
 import torch
 
+from tokenmill.attention_backends.cuda_library import device_reasons, library_reasons
 from tokenmill.interfaces.attention import (
     AttentionBackend,
     AttentionConfig,
@@ -23,7 +22,6 @@ from tokenmill.interfaces.attention import (
     CommonAttentionMetadata,
 )
 
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 PAGE_MULTIPLE = 256
 MIN_CAPABILITY = (8, 0)
 
@@ -112,14 +110,7 @@ class FlashAttentionBackend(AttentionBackend):
     @classmethod
     def validate_configuration(cls, config: AttentionConfig) -> list[str]:
         reasons = super().validate_configuration(config)
-        if importlib.util.find_spec("flash_attn") is None:
-            reasons.append("flash_attn is not installed (pip install flash-attn)")
-        if importlib.util.find_spec("triton") is None:
-            reasons.append("triton is not installed (the KV-cache write kernel needs it)")
-        if config.device_type != "cuda" or torch.version.hip is not None:
-            reasons.append("needs an NVIDIA CUDA device")
-        if config.dtype not in SUPPORTED_DTYPES:
-            reasons.append(f"computes in float16 or bfloat16 only, not {config.dtype}")
+        reasons += library_reasons(config, "flash_attn", "flash-attn")
         if config.head_size % 8 or config.head_size > 256:
             reasons.append(f"head size {config.head_size} is not a multiple of 8 up to 256")
         if config.block_size % PAGE_MULTIPLE:
@@ -127,13 +118,4 @@ class FlashAttentionBackend(AttentionBackend):
                 f"its paged KV cache needs block_size to be a multiple of {PAGE_MULTIPLE} "
                 f"(got {config.block_size})"
             )
-        if reasons:
-            return reasons
-        major, minor = torch.cuda.get_device_capability()
-        if (major, minor) < MIN_CAPABILITY:
-            return [f"needs compute capability 8.0 or newer (this GPU is {major}.{minor})"]
-        try:
-            importlib.import_module("flash_attn")
-        except Exception as e:  # a wheel built for another torch/CUDA fails here
-            return [f"flash_attn fails to import: {e}"]
-        return []
+        return reasons or device_reasons("flash_attn", MIN_CAPABILITY)

@@ -11,14 +11,13 @@ that only the layers know. ``flashinfer`` is imported only when a step runs.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from tokenmill.core.kv_cache_spec import KVCacheSpec
+from tokenmill.attention_backends.cuda_library import device_reasons, library_reasons
 from tokenmill.interfaces.attention import (
     AttentionBackend,
     AttentionConfig,
@@ -27,7 +26,6 @@ from tokenmill.interfaces.attention import (
     CommonAttentionMetadata,
 )
 
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 SUPPORTED_HEAD_SIZES = (64, 128, 256)
 MIN_CAPABILITY = (7, 5)
 WORKSPACE_BYTES = 256 << 20
@@ -209,23 +207,7 @@ class FlashInferBackend(AttentionBackend):
     @classmethod
     def validate_configuration(cls, config: AttentionConfig) -> list[str]:
         reasons = super().validate_configuration(config)
-        if importlib.util.find_spec("flashinfer") is None:
-            reasons.append("flashinfer is not installed (pip install flashinfer-python)")
-        if importlib.util.find_spec("triton") is None:
-            reasons.append("triton is not installed (the KV-cache write kernel needs it)")
-        if config.device_type != "cuda" or torch.version.hip is not None:
-            reasons.append("needs an NVIDIA CUDA device")
-        if config.dtype not in SUPPORTED_DTYPES:
-            reasons.append(f"computes in float16 or bfloat16 only, not {config.dtype}")
+        reasons += library_reasons(config, "flashinfer", "flashinfer-python")
         if config.head_size not in SUPPORTED_HEAD_SIZES:
             reasons.append(f"head size {config.head_size} is not one of {SUPPORTED_HEAD_SIZES}")
-        if reasons:
-            return reasons
-        major, minor = torch.cuda.get_device_capability()
-        if (major, minor) < MIN_CAPABILITY:
-            return [f"needs compute capability 7.5 or newer (this GPU is {major}.{minor})"]
-        try:
-            importlib.import_module("flashinfer")
-        except Exception as e:  # a wheel built for another torch/CUDA fails here
-            return [f"flashinfer fails to import: {e}"]
-        return []
+        return reasons or device_reasons("flashinfer", MIN_CAPABILITY)
