@@ -6,8 +6,9 @@ the reference backend, all about moving fewer bytes:
 - context is gathered a whole block at a time (``index_select`` of contiguous blocks), never a
   token at a time;
 - a prefill chunk with no cached prefix attends over its own K/V with ``is_causal``, reading
-  nothing back from the cache;
-- decode tokens (float32) go to a small C kernel (``cpu_kernels.py``) that reads each request's
+  nothing back from the cache; SDPA gets 4-D ``[1, heads, tokens, head_size]`` inputs, which
+  take its fused CPU kernel (3-D ones take a path several times slower);
+- decode tokens (float32) go to a C kernel (``tokenmill.ops.cpu``) that reads each request's
   context straight from its blocks, once; without a C compiler they run as one batched SDPA call
   with the query heads of each KV group folded into the query-length axis, so grouped-query
   attention needs no K/V expansion.
@@ -20,12 +21,10 @@ finite (a NaN there would leak through ``0 * NaN`` in the weighted sum).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from tokenmill.attention_backends import cpu_kernels
 from tokenmill.interfaces.attention import (
     AttentionBackend,
     AttentionConfig,
@@ -33,6 +32,7 @@ from tokenmill.interfaces.attention import (
     AttentionMetadataBuilder,
     CommonAttentionMetadata,
 )
+from tokenmill.ops import cpu as cpu_ops
 
 
 @dataclass
@@ -105,10 +105,6 @@ class CpuSdpaMetadataBuilder(AttentionMetadataBuilder):
 
 
 class CpuSdpaImpl(AttentionImpl):
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.kernel = cpu_kernels.load()
-
     def forward(
         self,
         query: torch.Tensor,
@@ -117,7 +113,7 @@ class CpuSdpaImpl(AttentionImpl):
         kv_cache: torch.Tensor,
         attn_metadata: CpuSdpaMetadata | None,
     ) -> torch.Tensor:
-        output = torch.empty_like(query)
+        output = query.new_empty(query.shape)
         if attn_metadata is None:
             return output.zero_()
         n = attn_metadata.num_actual_tokens
@@ -131,26 +127,27 @@ class CpuSdpaImpl(AttentionImpl):
 
         for chunk in attn_metadata.prefills:
             s, e = chunk.token_start, chunk.token_end
-            q = query[s:e].transpose(0, 1)
+            q = query[s:e].transpose(0, 1)[None]
             if chunk.block_ids is None:
-                k, v = key[s:e].transpose(0, 1), value[s:e].transpose(0, 1)
+                k, v = key[s:e].transpose(0, 1)[None], value[s:e].transpose(0, 1)[None]
                 out = F.scaled_dot_product_attention(
                     q, k, v, is_causal=True, scale=self.scale, enable_gqa=gqa
                 )
             else:
-                k = self._gather(key_cache, chunk.block_ids)
-                v = self._gather(value_cache, chunk.block_ids)
+                k = self._gather(key_cache, chunk.block_ids)[None]
+                v = self._gather(value_cache, chunk.block_ids)[None]
                 ctx = chunk.mask.shape[1]
                 out = F.scaled_dot_product_attention(
-                    q, k[:, :ctx], v[:, :ctx], attn_mask=chunk.mask, scale=self.scale, enable_gqa=gqa
+                    q, k[..., :ctx, :], v[..., :ctx, :], attn_mask=chunk.mask, scale=self.scale, enable_gqa=gqa
                 )
-            output[s:e] = out.transpose(0, 1)
+            output[s:e] = out[0].transpose(0, 1)
 
         decode = attn_metadata.decode
-        if decode is not None and self.kernel is not None and query.dtype == kv_cache.dtype == torch.float32:
-            output[decode.token_idx] = cpu_kernels.paged_decode_attention(
-                self.kernel,
-                query[decode.token_idx],
+        if decode is not None and self.head_size % 8 == 0 and cpu_ops.supports(query, kv_cache):
+            cpu_ops.paged_decode_attention(
+                query,
+                output,
+                decode.token_idx,
                 key_cache,
                 value_cache,
                 decode.block_ids,

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from paged_batches import MIXED_SHAPES, random_batch, run_backend, run_reference
-from tokenmill.attention_backends import cpu_kernels
 from tokenmill.attention_backends.cpu_sdpa import CpuSdpaBackend
+from tokenmill.ops import cpu as cpu_ops
 
 SHAPES = MIXED_SHAPES + [
     ([1] * 7, [5, 16, 17, 31, 64, 1, 90]),
@@ -20,9 +20,9 @@ SHAPES = MIXED_SHAPES + [
 def decode_path(request, monkeypatch):
     """Decode through the C kernel, and through the SDPA path used without a C compiler."""
     if request.param == "c-kernel":
-        assert cpu_kernels.load() is not None, "the C kernel should build on this machine"
+        assert cpu_ops.load() is not None, "the C kernels should build on this machine"
     else:
-        monkeypatch.setattr(cpu_kernels, "load", lambda: None)
+        monkeypatch.setattr(cpu_ops, "load", lambda: None)
     return request.param
 
 

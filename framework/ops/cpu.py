@@ -1,0 +1,181 @@
+"""CPU kernels: C sources in ``csrc/`` compiled on first use with the system C compiler
+(``-O3 -march=native -fopenmp``) into one shared library, cached under the tokenmill cache
+directory by a hash of the sources, flags, compiler and CPU, and loaded with ctypes.
+
+They run on contiguous float32 CPU tensors; callers check :func:`supports` and otherwise use
+their torch path. The OpenMP runtime they link is the one torch already loaded, so they share
+its threads. ``TOKENMILL_DISABLE_CPU_KERNELS=1`` turns them all off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCES = ("attention.c", "norm.c", "activation.c", "rotary.c")
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
+_I64, _F32, _PTR, _INT = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int
+SIGNATURES = {
+    "paged_decode_attention": [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _F32, _I64, _INT],
+    "rms_norm": [_PTR, _PTR, _PTR, _I64, _I64, _F32, _INT],
+    "fused_add_rms_norm": [_PTR, _PTR, _PTR, _I64, _I64, _F32, _INT],
+    "silu_and_mul": [_PTR, _PTR, _I64, _I64, _INT],
+    "rotary_embedding": [_PTR, _PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _INT, _INT],
+}
+
+
+def _cpu_signature() -> str:
+    """The CPU model and feature flags, so a cache shared between machines never hands one a
+    library built for another's instruction set."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "".join(line for line in f if line.startswith(("model name", "flags")))[:4096]
+    except OSError:
+        return platform.processor()
+
+
+def _build(compiler: str, target: Path) -> bool:
+    csrc = Path(__file__).parent / "csrc"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = Path(tmp) / "kernels.so"
+        proc = subprocess.run(
+            [compiler, *FLAGS, *(str(csrc / s) for s in SOURCES), "-o", str(built), "-lm"],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if proc.returncode != 0:
+            logger.warning("CPU kernels failed to build; using torch ops instead:\n%s", proc.stderr)
+            return False
+        os.replace(built, target)
+    return True
+
+
+@cache
+def load() -> ctypes.CDLL | None:
+    """The kernel library, built if needed; None (logged once) when it cannot be built here."""
+    if os.environ.get("TOKENMILL_DISABLE_CPU_KERNELS"):
+        return None
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        logger.warning("no C compiler found; CPU kernels fall back to torch ops")
+        return None
+    from tokenmill.default_model import cache_dir
+
+    csrc = Path(__file__).parent / "csrc"
+    digest = hashlib.sha256()
+    for path in sorted(csrc.iterdir()):
+        digest.update(path.read_bytes())
+    digest.update(" ".join([*FLAGS, compiler, _cpu_signature()]).encode())
+    target = Path(cache_dir()) / "kernels" / f"cpu_kernels_{digest.hexdigest()[:16]}.so"
+    if not target.exists() and not _build(compiler, target):
+        return None
+    lib = ctypes.CDLL(str(target))
+    for name, argtypes in SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes = argtypes
+        fn.restype = None
+    return lib
+
+
+def supports(*tensors: torch.Tensor | None) -> bool:
+    """Whether the kernels can take these tensors: float32, on the CPU, last dim contiguous,
+    and the library built."""
+    for t in tensors:
+        if t is not None and (t.dtype != torch.float32 or t.device.type != "cpu" or t.stride(-1) != 1):
+            return False
+    return load() is not None
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    output: torch.Tensor,
+    rows: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_len: int,
+    scale: float,
+) -> None:
+    """Attention of one query token per request over its paged context, written into
+    ``output[rows]``.
+
+    ``query`` [T, H, D] (rows may be strided, D a multiple of 8) and ``output`` [T, H, D]
+    contiguous; ``rows`` [B] int64, the token row of each request; caches
+    [num_blocks, block_size, kv_heads, D] (each a contiguous view); ``block_table`` [B, n] and
+    ``seq_lens`` [B] int64, contiguous."""
+    _, h, d = query.shape
+    if query.stride(1) != d or query.stride(2) != 1:
+        query = query.contiguous()
+    kvh, bs = key_cache.shape[2], key_cache.shape[1]
+    load().paged_decode_attention(
+        query.data_ptr(), query.stride(0), rows.data_ptr(), key_cache.data_ptr(),
+        value_cache.data_ptr(), block_table.data_ptr(), block_table.stride(0),
+        seq_lens.data_ptr(), output.data_ptr(), rows.shape[0], h, kvh, d, bs, scale, max_len,
+        torch.get_num_threads(),
+    )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x / rms(x) * weight`` over the last dimension."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    n = x.shape[-1]
+    load().rms_norm(out.data_ptr(), x.data_ptr(), weight.data_ptr(), x.numel() // n, n, eps, torch.get_num_threads())
+    return out
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """In place: ``residual += x``, then ``x = rms_norm(residual) * weight``; returns
+    ``(x, residual)``. Both must be contiguous and of one shape."""
+    n = x.shape[-1]
+    load().fused_add_rms_norm(
+        x.data_ptr(), residual.data_ptr(), weight.data_ptr(), x.numel() // n, n, eps, torch.get_num_threads()
+    )
+    return x, residual
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu(x[..., :d]) * x[..., d:]`` for contiguous ``x`` [..., 2d]."""
+    x = x.contiguous()
+    d = x.shape[-1] // 2
+    out = x.new_empty(*x.shape[:-1], d)
+    load().silu_and_mul(out.data_ptr(), x.data_ptr(), x.numel() // (2 * d), d, torch.get_num_threads())
+    return out
+
+
+def rotary_embedding(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    head_size: int,
+    rotary_dim: int,
+    is_neox_style: bool,
+) -> None:
+    """Rotate ``query`` [T, H*head_size] and ``key`` [T, KVH*head_size] in place (rows may be
+    strided views, features contiguous); ``cos_sin_cache`` [max_position, rotary_dim] is
+    contiguous, cosines then sines; ``positions`` [T], each below max_position."""
+    positions = positions.to(torch.int64).contiguous()
+    t = query.shape[0]
+    load().rotary_embedding(
+        positions.data_ptr(), query.data_ptr(), query.stride(0), key.data_ptr(), key.stride(0),
+        cos_sin_cache.data_ptr(), t, query.shape[1] // head_size, key.shape[1] // head_size,
+        head_size, rotary_dim, int(is_neox_style), torch.get_num_threads(),
+    )

@@ -1,0 +1,111 @@
+/* Paged decode attention: one query token per request over its cached context. */
+#include <math.h>
+#include <stdlib.h>
+#include "vec.h"
+
+static inline void prefetch(const float *p, int64_t n) {
+    for (int64_t o = 0; o < n; o += 16) __builtin_prefetch(p + o);
+}
+
+/* Request b's query is row rows[b] of q (rows q_stride floats apart, heads D apart) and its
+   output row rows[b] of out [T, H, D]. key_cache, value_cache: [num_blocks, bs, kvh, D];
+   block_table: [B, table_stride]; seq_lens: [B]. D is a multiple of 8. One work item per request, in three
+   passes: scores (four tokens at a time per head), softmax, then the weighted sum of values
+   (32 output features at a time held in registers across a block's tokens). The next block is
+   prefetched while one is read: blocks are scattered, so the hardware prefetcher cannot. */
+void paged_decode_attention(
+    const float *q, int64_t q_stride, const int64_t *rows, const float *key_cache, const float *value_cache,
+    const int64_t *block_table, int64_t table_stride, const int64_t *seq_lens,
+    float *out, int64_t B, int64_t H, int64_t kvh, int64_t D, int64_t bs,
+    float scale, int64_t max_len, int nthreads)
+{
+    const int64_t G = H / kvh, row = kvh * D, block = bs * row;
+    const int64_t stride = (max_len + 7) / 8 * 8;
+    #pragma omp parallel num_threads(nthreads)
+    {
+        float *scores = malloc(sizeof(float) * H * stride);
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t b = 0; b < B; ++b) {
+            const int64_t L = seq_lens[b], Lp = (L + 7) / 8 * 8, nblk = (L + bs - 1) / bs;
+            const float *qb = q + rows[b] * q_stride;
+            const int64_t *bt = block_table + b * table_stride;
+            float *acc = out + rows[b] * H * D;
+
+            for (int64_t j = 0; j < nblk; ++j) {
+                const int64_t t0 = j * bs, n = L - t0 < bs ? L - t0 : bs;
+                const float *kb = key_cache + bt[j] * block;
+                if (j + 1 < nblk) prefetch(key_cache + bt[j + 1] * block, block);
+                for (int64_t h = 0; h < H; ++h) {
+                    const float *qh = qb + h * D, *kh = kb + (h / G) * D;
+                    float *sh = scores + h * stride + t0;
+                    int64_t i = 0;
+                    for (; i + 4 <= n; i += 4) {
+                        const float *k = kh + i * row;
+                        v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+                        for (int64_t d = 0; d < D; d += 8) {
+                            const v8 qv = loadv(qh + d);
+                            a0 += qv * loadv(k + d);
+                            a1 += qv * loadv(k + row + d);
+                            a2 += qv * loadv(k + 2 * row + d);
+                            a3 += qv * loadv(k + 3 * row + d);
+                        }
+                        hsum4(a0, a1, a2, a3, sh + i);
+                    }
+                    for (; i < n; ++i) {
+                        v8 a = {0};
+                        for (int64_t d = 0; d < D; d += 8) a += loadv(qh + d) * loadv(kh + i * row + d);
+                        sh[i] = hsum(a);
+                    }
+                }
+            }
+
+            prefetch(value_cache + bt[0] * block, block);
+            for (int64_t h = 0; h < H; ++h) {
+                float *sh = scores + h * stride;
+                for (int64_t t = L; t < Lp; ++t) sh[t] = -INFINITY;
+                v8 mv = splat(-INFINITY);
+                for (int64_t t = 0; t < Lp; t += 8) mv = vmax(mv, loadv(sh + t));
+                float m = mv[0];
+                for (int k = 1; k < 8; ++k) m = mv[k] > m ? mv[k] : m;
+                v8 sum = {0};
+                for (int64_t t = 0; t < Lp; t += 8) {
+                    const v8 e = vexp((loadv(sh + t) - m) * scale);
+                    storev(sh + t, e);
+                    sum += e;
+                }
+                const v8 inv = splat(1.f / hsum(sum));
+                for (int64_t t = 0; t < Lp; t += 8) storev(sh + t, loadv(sh + t) * inv);
+            }
+
+            memset(acc, 0, sizeof(float) * H * D);
+            for (int64_t j = 0; j < nblk; ++j) {
+                const int64_t t0 = j * bs, n = L - t0 < bs ? L - t0 : bs;
+                const float *vb = value_cache + bt[j] * block;
+                if (j + 1 < nblk) prefetch(value_cache + bt[j + 1] * block, block);
+                for (int64_t h = 0; h < H; ++h) {
+                    const float *vh = vb + (h / G) * D, *p = scores + h * stride + t0;
+                    float *a = acc + h * D;
+                    int64_t d = 0;
+                    for (; d + 32 <= D; d += 32) {
+                        v8 c0 = loadv(a + d), c1 = loadv(a + d + 8), c2 = loadv(a + d + 16), c3 = loadv(a + d + 24);
+                        for (int64_t i = 0; i < n; ++i) {
+                            const float *v = vh + i * row + d;
+                            const v8 pi = splat(p[i]);
+                            c0 += pi * loadv(v);
+                            c1 += pi * loadv(v + 8);
+                            c2 += pi * loadv(v + 16);
+                            c3 += pi * loadv(v + 24);
+                        }
+                        storev(a + d, c0); storev(a + d + 8, c1); storev(a + d + 16, c2); storev(a + d + 24, c3);
+                    }
+                    for (; d < D; d += 8) {
+                        v8 c = loadv(a + d);
+                        for (int64_t i = 0; i < n; ++i) c += splat(p[i]) * loadv(vh + i * row + d);
+                        storev(a + d, c);
+                    }
+                }
+            }
+        }
+        free(scores);
+    }
+}

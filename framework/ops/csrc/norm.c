@@ -1,0 +1,33 @@
+/* RMSNorm, alone and fused with the residual add before it. Rows in parallel. */
+#include <math.h>
+#include "vec.h"
+
+static inline void norm_row(float *out, const float *x, const float *w, int64_t N, float eps) {
+    v8 ss = {0};
+    int64_t i = 0;
+    for (; i + 8 <= N; i += 8) { const v8 v = loadv(x + i); ss += v * v; }
+    float s = hsum(ss);
+    for (; i < N; ++i) s += x[i] * x[i];
+    const float inv = 1.f / sqrtf(s / (float)N + eps);
+    i = 0;
+    for (; i + 8 <= N; i += 8) storev(out + i, loadv(x + i) * inv * loadv(w + i));
+    for (; i < N; ++i) out[i] = x[i] * inv * w[i];
+}
+
+/* out[t] = x[t] / rms(x[t]) * w; x and out are [T, N], contiguous. */
+void rms_norm(float *out, const float *x, const float *w, int64_t T, int64_t N, float eps, int nthreads) {
+    #pragma omp parallel for num_threads(nthreads) if (T * N >= 65536)
+    for (int64_t t = 0; t < T; ++t) norm_row(out + t * N, x + t * N, w, N, eps);
+}
+
+/* In place: residual += x, then x = rms_norm(residual) * w (vLLM's fused_add_rms_norm). */
+void fused_add_rms_norm(float *x, float *residual, const float *w, int64_t T, int64_t N, float eps, int nthreads) {
+    #pragma omp parallel for num_threads(nthreads) if (T * N >= 65536)
+    for (int64_t t = 0; t < T; ++t) {
+        float *xr = x + t * N, *rr = residual + t * N;
+        int64_t i = 0;
+        for (; i + 8 <= N; i += 8) storev(rr + i, loadv(rr + i) + loadv(xr + i));
+        for (; i < N; ++i) rr[i] += xr[i];
+        norm_row(xr, rr, w, N, eps);
+    }
+}

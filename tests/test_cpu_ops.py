@@ -1,0 +1,79 @@
+"""The compiled CPU kernels against the torch paths the layers fall back to."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenmill.layers.activation import SiluAndMul
+from tokenmill.layers.build_context import BuildContext, model_build_context
+from tokenmill.layers.layernorm import RMSNorm
+from tokenmill.layers.rotary_embedding import RotaryEmbedding
+from tokenmill.attention_backends.torch_ref import TorchRefBackend
+from tokenmill.ops import cpu as cpu_ops
+
+
+@pytest.fixture(autouse=True)
+def kernels_built():
+    assert cpu_ops.load() is not None, "the C kernels should build on this machine"
+
+
+def make_norm(n: int) -> RMSNorm:
+    with model_build_context(BuildContext(attn_backend=TorchRefBackend)):
+        norm = RMSNorm(n, eps=1e-5)
+    norm.weight.data.normal_()
+    return norm
+
+
+@pytest.mark.parametrize("rows,n", [(1, 8), (5, 37), (64, 576), (300, 576)])
+def test_rms_norm(rows, n):
+    norm = make_norm(n)
+    x = torch.randn(rows, n) * 3
+    torch.testing.assert_close(norm(x), norm.forward_native(x), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows,n", [(1, 8), (5, 37), (300, 576)])
+def test_fused_add_rms_norm_writes_in_place(rows, n):
+    norm = make_norm(n)
+    x, residual = torch.randn(rows, n), torch.randn(rows, n)
+    want_out, want_res = norm.forward_native(x, residual)
+    x_in, res_in = x.clone(), residual.clone()
+    out, res = norm(x_in, res_in)
+    assert out.data_ptr() == x_in.data_ptr() and res.data_ptr() == res_in.data_ptr()
+    torch.testing.assert_close(res, want_res, atol=0, rtol=0)
+    torch.testing.assert_close(out, want_out, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows,d", [(1, 8), (3, 13), (64, 1536), (100, 1536)])
+def test_silu_and_mul(rows, d):
+    x = torch.randn(rows, 2 * d) * 4
+    x[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -87.5])
+    act = SiluAndMul()
+    torch.testing.assert_close(act(x), act.forward_native(x), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("head_size,rotary_dim,neox", [(64, 64, True), (16, 8, True), (32, 32, False), (24, 16, False)])
+@pytest.mark.parametrize("tokens", [1, 7, 600])
+def test_rotary_embedding_in_place_on_strided_rows(head_size, rotary_dim, neox, tokens):
+    rope = RotaryEmbedding(head_size, rotary_dim, 4096, 10000.0, neox)
+    heads, kv_heads = 3, 1
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_size)
+    q, k, _ = qkv.split([heads * head_size, kv_heads * head_size, kv_heads * head_size], dim=-1)
+    positions = torch.randint(0, 4096, (tokens,))
+    want_q, want_k = rope.forward_native(positions, q.clone(), k.clone())
+    out_q, out_k = rope(positions, q, k)
+    assert out_q.data_ptr() == qkv.data_ptr()
+    torch.testing.assert_close(out_q, want_q, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out_k, want_k, atol=1e-5, rtol=1e-5)
+
+
+def test_disabled_kernels_fall_back(monkeypatch):
+    monkeypatch.setattr(cpu_ops, "load", lambda: None)
+    x = torch.randn(4, 16)
+    assert not cpu_ops.supports(x)
+    torch.testing.assert_close(SiluAndMul()(x), SiluAndMul().forward_native(x))
+
+
+def test_other_dtypes_use_torch():
+    assert not cpu_ops.supports(torch.randn(2, 8, dtype=torch.bfloat16))
+    assert not cpu_ops.supports(torch.randn(8, 2).t())
