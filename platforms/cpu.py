@@ -9,6 +9,7 @@ import torch
 
 from tokenmill.interfaces.attention import AttentionConfig
 from tokenmill.interfaces.platform import Platform
+from tokenmill.ops import cpu as cpu_ops
 
 if TYPE_CHECKING:
     from tokenmill.config import EngineConfig
@@ -46,6 +47,11 @@ class CpuPlatform(Platform):
         if model_dtype == torch.bfloat16 and _cpu_has_fast_bf16():
             return torch.bfloat16
         return torch.float32
+
+    @classmethod
+    def import_kernels(cls) -> None:
+        """Build (the first time on a machine) and load the C kernels before the first step."""
+        cpu_ops.load()
 
     @classmethod
     def get_device_total_memory(cls) -> int:

@@ -77,7 +77,7 @@ def test_rope_matches_transformers(rope_scaling: dict | None) -> None:
     positions = torch.randint(0, max_pos, (10,))
     q = torch.randn(10, heads * head_dim)
     k = torch.randn(10, kv_heads * head_dim)
-    q_out, k_out = rope(positions, q, k)
+    q_out, k_out = rope(positions, q.clone(), k.clone())
 
     hf_rope = LlamaRotaryEmbedding(config=config)
     cos, sin = hf_rope(q, positions[None])
@@ -95,14 +95,15 @@ def test_rope_linear_scaling_is_position_interpolation() -> None:
     scaled = get_rope(8, 8, 64, 10000.0, {"rope_type": "linear", "factor": 4.0})
     plain = get_rope(8, 8, 64, 10000.0, None)
     q, k = torch.randn(1, 8), torch.randn(1, 8)
-    for a, b in zip(scaled(torch.tensor([8]), q, k), plain(torch.tensor([2]), q, k)):
+    scaled_qk = scaled(torch.tensor([8]), q.clone(), k.clone())
+    for a, b in zip(scaled_qk, plain(torch.tensor([2]), q.clone(), k.clone())):
         torch.testing.assert_close(a, b)
 
 
 def test_rope_partial_rotary_dim_passes_the_rest_through() -> None:
     rope = get_rope(16, 8, 32, 10000.0)
     q, k = torch.randn(3, 32), torch.randn(3, 16)
-    q_out, k_out = rope(torch.tensor([0, 5, 9]), q, k)
+    q_out, k_out = rope(torch.tensor([0, 5, 9]), q.clone(), k.clone())
     torch.testing.assert_close(q_out.view(3, 2, 16)[..., 8:], q.view(3, 2, 16)[..., 8:])
     assert not torch.allclose(q_out.view(3, 2, 16)[1:, :, :8], q.view(3, 2, 16)[1:, :, :8])
 
@@ -140,7 +141,7 @@ def test_rmsnorm_fused_residual() -> None:
     norm = RMSNorm(32)
     norm.weight.data.normal_()
     x, residual = torch.randn(5, 32), torch.randn(5, 32)
-    out, new_residual = norm(x, residual)
+    out, new_residual = norm(x.clone(), residual.clone())
     torch.testing.assert_close(new_residual, x + residual)
     torch.testing.assert_close(out, norm(x + residual))
 

@@ -6,11 +6,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.ops import cpu as cpu_ops
+
 
 class SiluAndMul(nn.Module):
     """Gated SiLU for fused gate/up projections: ``[..., 2d] -> silu(x[..., :d]) * x[..., d:]``."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if cpu_ops.supports(x):
+            return cpu_ops.silu_and_mul(x)
+        return self.forward_native(x)
+
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate).mul_(up)
 

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.layers.build_context import current_build_context
+from tokenmill.ops import cpu as cpu_ops
 
 
 class RMSNorm(nn.Module):
@@ -14,7 +15,8 @@ class RMSNorm(nn.Module):
 
     ``forward(x)`` returns the normed tensor. ``forward(x, residual)`` first forms
     ``x + residual`` and returns ``(normed, x + residual)``: the sum is the next layer's
-    residual, so a decoder layer needs no separate add.
+    residual, so a decoder layer needs no separate add. As in vLLM, the fused form may write
+    its results into ``x`` and ``residual`` (the CPU kernel does): use the returned tensors.
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
@@ -25,6 +27,16 @@ class RMSNorm(nn.Module):
         )
 
     def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if cpu_ops.supports(x, residual, self.weight):
+            if residual is None:
+                return cpu_ops.rms_norm(x, self.weight, self.variance_epsilon)
+            if x.is_contiguous() and residual.is_contiguous() and x.shape == residual.shape:
+                return cpu_ops.fused_add_rms_norm(x, residual, self.weight, self.variance_epsilon)
+        return self.forward_native(x, residual)
+
+    def forward_native(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if residual is not None:

@@ -8,13 +8,16 @@ from typing import Any
 import torch
 from torch import nn
 
+from tokenmill.ops import cpu as cpu_ops
+
 
 class RotaryEmbedding(nn.Module):
     """Applies RoPE to flat ``q`` [T, H*D] and ``k`` [T, KVH*D] at ``positions`` [T].
 
     The first ``rotary_dim`` features of each head rotate; the rest pass through.
     ``is_neox_style`` rotates the two halves of those features (Llama, GPT-NeoX); otherwise
-    interleaved pairs (GPT-J).
+    interleaved pairs (GPT-J). As in vLLM, ``forward`` may rotate ``q`` and ``k`` in place (the
+    CPU kernel does): use the returned tensors.
     """
 
     def __init__(
@@ -66,6 +69,22 @@ class RotaryEmbedding(nn.Module):
         return out.view(shape)
 
     def forward(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if query.dim() == 2 and cpu_ops.supports(query, key, self.cos_sin_cache):
+            cpu_ops.rotary_embedding(
+                positions,
+                query,
+                key,
+                self.cos_sin_cache,
+                self.head_size,
+                self.rotary_dim,
+                self.is_neox_style,
+            )
+            return query, key
+        return self.forward_native(positions, query, key)
+
+    def forward_native(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         cos_sin = self.cos_sin_cache.index_select(0, positions).to(query.dtype).unsqueeze(-2)

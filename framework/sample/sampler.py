@@ -72,7 +72,8 @@ class Sampler(nn.Module):
         logits = apply_suppression(logits.to(torch.float32), metadata.suppress_token_ids)
         raw_logprobs = logits.log_softmax(dim=-1) if metadata.max_num_logprobs is not None else None
         if metadata.all_greedy:
-            sampled = logits.argmax(dim=-1)
+            # Same first-index tie rule as argmax, and several times faster on the CPU.
+            sampled = logits.max(dim=-1).indices
         else:
             sampled = exponential_race(compute_probs(logits, metadata), metadata.generators)
         if raw_logprobs is None:
