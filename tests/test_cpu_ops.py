@@ -77,3 +77,34 @@ def test_disabled_kernels_fall_back(monkeypatch):
 def test_other_dtypes_use_torch():
     assert not cpu_ops.supports(torch.randn(2, 8, dtype=torch.bfloat16))
     assert not cpu_ops.supports(torch.randn(8, 2).t())
+
+
+@pytest.fixture
+def fresh_load():
+    """``cpu_ops.load`` with its per-process cache emptied before and after the test."""
+    cpu_ops.load.cache_clear()
+    yield cpu_ops.load
+    cpu_ops.load.cache_clear()
+
+
+def test_builds_into_an_empty_cache(fresh_load, tmp_path, monkeypatch):
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path))
+    assert fresh_load() is not None
+    assert len(list((tmp_path / "kernels").glob("cpu_kernels_*.so"))) == 1
+
+
+@pytest.mark.parametrize("setting", ["disabled", "no-compiler", "unwritable-cache"])
+def test_unavailable_kernels_leave_torch_paths(fresh_load, tmp_path, monkeypatch, setting):
+    if setting == "disabled":
+        monkeypatch.setenv("TOKENMILL_DISABLE_CPU_KERNELS", "1")
+    elif setting == "no-compiler":
+        monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path))
+        monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    else:
+        blocker = tmp_path / "file"
+        blocker.write_text("")
+        monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(blocker))
+    assert fresh_load() is None
+    x = torch.randn(3, 16)
+    assert not cpu_ops.supports(x)
+    torch.testing.assert_close(SiluAndMul()(x), SiluAndMul().forward_native(x))

@@ -81,9 +81,13 @@ def load() -> ctypes.CDLL | None:
         digest.update(path.read_bytes())
     digest.update(" ".join([*FLAGS, compiler, _cpu_signature()]).encode())
     target = Path(cache_dir()) / "kernels" / f"cpu_kernels_{digest.hexdigest()[:16]}.so"
-    if not target.exists() and not _build(compiler, target):
+    try:
+        if not target.exists() and not _build(compiler, target):
+            return None
+        lib = ctypes.CDLL(str(target))
+    except OSError as e:
+        logger.warning("CPU kernels unavailable (%s); using torch ops instead", e)
         return None
-    lib = ctypes.CDLL(str(target))
     for name, argtypes in SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes = argtypes

@@ -23,6 +23,7 @@ static inline float hsum(v8 v) {
 
 /* The horizontal sums of a0..a3 into out[0..3]. */
 static inline void hsum4(v8 a0, v8 a1, v8 a2, v8 a3, float *out) {
+#if defined(__clang__) || __GNUC__ >= 12
     v8 h01 = __builtin_shufflevector(a0, a1, 0, 8, 2, 10, 4, 12, 6, 14)
            + __builtin_shufflevector(a0, a1, 1, 9, 3, 11, 5, 13, 7, 15);
     v8 h23 = __builtin_shufflevector(a2, a3, 0, 8, 2, 10, 4, 12, 6, 14)
@@ -30,6 +31,9 @@ static inline void hsum4(v8 a0, v8 a1, v8 a2, v8 a3, float *out) {
     v8 h = __builtin_shufflevector(h01, h23, 0, 1, 8, 9, 4, 5, 12, 13)
          + __builtin_shufflevector(h01, h23, 2, 3, 10, 11, 6, 7, 14, 15);
     for (int k = 0; k < 4; ++k) out[k] = h[k] + h[k + 4];
+#else
+    out[0] = hsum(a0); out[1] = hsum(a1); out[2] = hsum(a2); out[3] = hsum(a3);
+#endif
 }
 
 /* exp(x): Cephes-style range reduction and degree-6 polynomial, within about 2 ulp of expf.
