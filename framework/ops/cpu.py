@@ -119,12 +119,13 @@ def paged_decode_attention(
     ``output[rows]``.
 
     ``query`` [T, H, D] (rows may be strided, D a multiple of 8) and ``output`` [T, H, D]
-    contiguous; ``rows`` [B] int64, the token row of each request; caches
+    contiguous; ``rows`` [B], the token row of each request; caches
     [num_blocks, block_size, kv_heads, D] (each a contiguous view); ``block_table`` [B, n] and
-    ``seq_lens`` [B] int64, contiguous."""
+    ``seq_lens`` [B] (integer tensors; int64 contiguous ones are used as they are)."""
     _, h, d = query.shape
     if query.stride(1) != d or query.stride(2) != 1:
         query = query.contiguous()
+    rows, block_table, seq_lens = (t.to(torch.int64).contiguous() for t in (rows, block_table, seq_lens))
     kvh, bs = key_cache.shape[2], key_cache.shape[1]
     load().paged_decode_attention(
         query.data_ptr(), query.stride(0), rows.data_ptr(), key_cache.data_ptr(),
