@@ -129,6 +129,19 @@ class LinearBase(nn.Module):
         """Copy this rank's part of the full checkpoint tensor ``loaded_weight`` into ``param``."""
         raise NotImplementedError
 
+    def _load_rank_part(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, dim_attr: str, full_size: int
+    ) -> None:
+        """Copy into ``param`` this rank's slice of ``loaded_weight`` along the dimension
+        ``param`` names in ``dim_attr`` (``full_size`` wide in the checkpoint); whole when
+        ``param`` has no such dimension (e.g. a replicated bias)."""
+        dim = getattr(param, dim_attr, None)
+        if dim is not None:
+            loaded_weight = _rank_slice(
+                loaded_weight, dim, full_size, self.tp_rank, param.shape[dim], self.prefix
+            )
+        _copy(param.data, loaded_weight, self.prefix)
+
 
 class ReplicatedLinear(LinearBase):
     """A linear layer every rank holds whole."""
@@ -177,17 +190,7 @@ class ColumnParallelLinear(LinearBase):
         )
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
-        output_dim = getattr(param, "output_dim", None)
-        if output_dim is not None:
-            loaded_weight = _rank_slice(
-                loaded_weight,
-                output_dim,
-                self.output_size,
-                self.tp_rank,
-                param.shape[output_dim],
-                self.prefix,
-            )
-        _copy(param.data, loaded_weight, self.prefix)
+        self._load_rank_part(param, loaded_weight, "output_dim", self.output_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.linear_method.apply(self, x, self.bias)
@@ -327,17 +330,7 @@ class RowParallelLinear(LinearBase):
         )
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
-        input_dim = getattr(param, "input_dim", None)
-        if input_dim is not None:
-            loaded_weight = _rank_slice(
-                loaded_weight,
-                input_dim,
-                self.input_size,
-                self.tp_rank,
-                param.shape[input_dim],
-                self.prefix,
-            )
-        _copy(param.data, loaded_weight, self.prefix)
+        self._load_rank_part(param, loaded_weight, "input_dim", self.input_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
