@@ -52,6 +52,14 @@ class UsageInfo(BaseModel):
     completion_tokens: int = 0
     total_tokens: int = 0
 
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+        return cls(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+        )
+
 
 class SamplingFields(OpenAIModel):
     """Sampling fields shared by both endpoints (vLLM's extensions included)."""

@@ -57,11 +57,7 @@ class OpenAIServingChat(OpenAIServing):
                 )
                 for c in output.outputs
             ],
-            usage=UsageInfo(
-                prompt_tokens=len(ids),
-                completion_tokens=num_generated,
-                total_tokens=len(ids) + num_generated,
-            ),
+            usage=UsageInfo.of(len(ids), num_generated),
         )
 
     def _apply_chat_template(self, request: ChatCompletionRequest) -> list[int]:
@@ -137,11 +133,7 @@ class OpenAIServingChat(OpenAIServing):
             if request.stream_options and request.stream_options.include_usage:
                 yield chunk(
                     [],
-                    UsageInfo(
-                        prompt_tokens=num_prompt,
-                        completion_tokens=num_generated,
-                        total_tokens=num_prompt + num_generated,
-                    ),
+                    UsageInfo.of(num_prompt, num_generated),
                 )
         except Exception as e:
             yield from_exception(e).to_sse()

@@ -52,11 +52,7 @@ class OpenAIServingCompletion(OpenAIServing):
             id=request_id,
             model=self.model_name,
             choices=choices,
-            usage=UsageInfo(
-                prompt_tokens=num_prompt,
-                completion_tokens=num_generated,
-                total_tokens=num_prompt + num_generated,
-            ),
+            usage=UsageInfo.of(num_prompt, num_generated),
         )
 
     async def _stream(
@@ -93,11 +89,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 num_prompt = sum(len(ids) for _, ids in prompts)
                 yield chunk(
                     [],
-                    UsageInfo(
-                        prompt_tokens=num_prompt,
-                        completion_tokens=num_generated,
-                        total_tokens=num_prompt + num_generated,
-                    ),
+                    UsageInfo.of(num_prompt, num_generated),
                 )
         except Exception as e:
             yield from_exception(e).to_sse()
