@@ -55,16 +55,18 @@ def test_prefix_hit_allocation_and_free():
     assert kv.allocate_slots(r2, 2, n, hits) is not None
     assert kv.get_block_ids("2")[:3] == kv.get_block_ids("1")[:3]
     assert kv.get_num_free_blocks() == 5
+    r1.num_computed_tokens, r2.num_computed_tokens = 13, 14
     kv.free(r1)
     kv.free(r2)
     assert kv.get_num_free_blocks() == 10
-    assert kv.stats.hits == 12 and kv.stats.queries == 27
+    assert kv.get_computed_blocks(_req("3", list(range(13))))[1] == 12
 
 
 def test_full_prompt_hit_still_computes_last_token():
     kv = KVCacheManager(num_blocks=8, block_size=BS, max_model_len=64)
     r1 = _req("1", list(range(8)))
     kv.allocate_slots(r1, 8)
+    r1.num_computed_tokens = 8
     kv.free(r1)
     r2 = _req("2", list(range(8)))
     _, n = kv.get_computed_blocks(r2)
@@ -89,6 +91,15 @@ def test_watermark_only_applies_to_admission():
     r1.num_computed_tokens = 32
     assert kv.allocate_slots(r1, 8) is not None
     assert kv.get_num_free_blocks() == 0
+
+
+def test_free_drops_uncomputed_blocks_from_the_prefix_cache():
+    kv = KVCacheManager(num_blocks=8, block_size=BS, max_model_len=64)
+    r1 = _req("1", list(range(12)))
+    kv.allocate_slots(r1, 12)
+    r1.num_computed_tokens = 5
+    kv.free(r1)
+    assert kv.get_computed_blocks(_req("2", list(range(12)) + [1]))[1] == 4
 
 
 def test_no_caching_means_no_hits():

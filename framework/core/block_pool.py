@@ -77,12 +77,13 @@ class BlockPool:
         out = []
         for _ in range(n):
             block = self.free_queue.popleft()
-            self._evict(block)
+            self.uncache(block)
             block.ref_cnt = 1
             out.append(block)
         return out
 
-    def _evict(self, block: KVCacheBlock) -> None:
+    def uncache(self, block: KVCacheBlock) -> None:
+        """Drop the block from the prefix-cache index (its contents are no longer trusted)."""
         if block.block_hash is not None:
             if self.cached.get(block.block_hash) is block:
                 del self.cached[block.block_hash]

@@ -46,7 +46,8 @@ class KVCacheManager:
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """The longest run of cached full blocks that prefixes the request, and its token count.
-        At least the last token is always left to compute, so there are logits to sample."""
+        At least the last token is always left to compute, so there are logits to sample.
+        A lookup alone is not counted in the stats; ``record_prefix_query`` counts an admission."""
         if not self.enable_caching:
             return [], 0
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
@@ -56,9 +57,14 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        self.stats.queries += request.num_tokens
-        self.stats.hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
+
+    def record_prefix_query(self, request: Request, num_hit_tokens: int) -> None:
+        """Count one admitted request's prefix-cache lookup (once per admission, however many
+        steps it waited for room)."""
+        if self.enable_caching:
+            self.stats.queries += request.num_tokens
+            self.stats.hits += num_hit_tokens
 
     def allocate_slots(
         self,
@@ -100,9 +106,16 @@ class KVCacheManager:
         return new_blocks
 
     def free(self, request: Request) -> None:
-        """Release the request's blocks, tail first so shared prefixes are evicted last."""
+        """Release the request's blocks, tail first so shared prefixes are evicted last.
+
+        Blocks are indexed in the prefix cache when they are allocated, before the forward pass
+        writes them. Whatever lies past ``request.num_computed_tokens`` (a victim preempted in
+        the step that scheduled it, a step that failed) was never written, so it leaves the
+        index here: only computed blocks can ever be hit."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)
+        for block in blocks[request.num_computed_tokens // self.block_size :]:
+            self.pool.uncache(block)
         self.pool.free_blocks(list(reversed(blocks)))
 
     def get_block_ids(self, request_id: str) -> list[int]:
