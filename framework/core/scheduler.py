@@ -28,6 +28,13 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0
     policy: str = "fcfs"
 
+    def __post_init__(self) -> None:
+        if self.long_prefill_token_threshold > 0 and not self.enable_chunked_prefill:
+            raise ValueError(
+                f"long_prefill_token_threshold={self.long_prefill_token_threshold} splits long "
+                "prompts into chunks, which needs enable_chunked_prefill=True"
+            )
+
 
 @dataclass
 class EngineCoreOutput:
@@ -65,8 +72,7 @@ class Scheduler:
         cfg = self.config
         budget = cfg.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
-        new_reqs: list[NewRequestData] = []
-        cached = CachedRequestData()
+        new_block_ids: dict[str, list[int]] = {}
         preempted: set[str] = set()
 
         i = 0
@@ -76,33 +82,33 @@ class Scheduler:
             if num_new == 0:
                 i += 1
                 continue
-            while True:
-                new_blocks = self.kv.allocate_slots(req, num_new)
-                if new_blocks is not None:
-                    break
+            new_blocks = self.kv.allocate_slots(req, num_new)
+            while new_blocks is None:
                 victim = self._pick_victim()
                 if self.running.index(victim) < i:
                     i -= 1
                 self.running.remove(victim)
                 self._preempt(victim)
                 preempted.add(victim.request_id)
-                if victim.request_id in num_scheduled:
-                    budget += num_scheduled.pop(victim.request_id)
-                    idx = cached.req_ids.index(victim.request_id)
-                    for lst in vars(cached).values():
-                        del lst[idx]
+                budget += num_scheduled.pop(victim.request_id, 0)
+                new_block_ids.pop(victim.request_id, None)
                 if victim is req:
                     break
+                new_blocks = self.kv.allocate_slots(req, num_new)
             if new_blocks is None:
                 break
             num_scheduled[req.request_id] = num_new
+            new_block_ids[req.request_id] = [b.block_id for b in new_blocks]
             budget -= num_new
-            cached.req_ids.append(req.request_id)
-            cached.resumed_from_preemption.append(False)
-            cached.new_block_ids.append([b.block_id for b in new_blocks])
-            cached.num_computed_tokens.append(req.num_computed_tokens)
             i += 1
 
+        cached = CachedRequestData()
+        for req_id, block_ids in new_block_ids.items():
+            cached.req_ids.append(req_id)
+            cached.resumed_from_preemption.append(False)
+            cached.new_block_ids.append(block_ids)
+            cached.num_computed_tokens.append(self.requests[req_id].num_computed_tokens)
+        new_reqs: list[NewRequestData] = []
         if not preempted:
             self._schedule_waiting(budget, num_scheduled, new_reqs, cached)
 
@@ -132,6 +138,12 @@ class Scheduler:
         new_reqs: list[NewRequestData],
         cached: CachedRequestData,
     ) -> None:
+        """Admit waiting requests in queue order while budget, sequence slots and blocks last.
+
+        The watermark keeps a few blocks back for running requests to grow into, so it only
+        applies to a fresh request while others run: a preempted request may have grown past
+        ``num_blocks - watermark_blocks``, and with nothing running any request that fits the
+        empty cache is admitted, so the head of the queue can always make progress."""
         cfg = self.config
         while len(self.waiting) and budget > 0 and len(self.running) < cfg.max_num_seqs:
             req = self.waiting.peek()
@@ -140,11 +152,11 @@ class Scheduler:
             full = req.num_tokens - num_hit_tokens
             if num_new < full and not cfg.enable_chunked_prefill:
                 break
-            new_blocks = self.kv.allocate_slots(
-                req, num_new, num_hit_tokens, hits, admit=True
-            )
+            admit = req.status == RequestStatus.WAITING and bool(self.running)
+            new_blocks = self.kv.allocate_slots(req, num_new, num_hit_tokens, hits, admit=admit)
             if new_blocks is None:
                 break
+            self.kv.record_prefix_query(req, num_hit_tokens)
             self.waiting.pop()
             self.running.append(req)
             req.num_computed_tokens = num_hit_tokens
@@ -235,6 +247,24 @@ class Scheduler:
             req.status = RequestStatus.FINISHED_LENGTH_CAPPED
             return True
         return False
+
+    def fail_step(self, scheduler_output: SchedulerOutput) -> list[str]:
+        """Undo a step whose execution raised. Nothing it scheduled was computed, so every
+        request it scheduled or preempted finishes with ``FINISHED_ERROR`` (their unwritten
+        blocks leave the prefix cache as they are freed), and the finished ids the workers may
+        not have received go out again with the next step. Returns the failed request ids."""
+        self.finished_req_ids |= scheduler_output.finished_req_ids
+        failed = [
+            r
+            for r in (*scheduler_output.num_scheduled_tokens, *scheduler_output.preempted_req_ids)
+            if r in self.requests
+        ]
+        for req_id, n in scheduler_output.num_scheduled_tokens.items():
+            req = self.requests.get(req_id)
+            if req is not None and req.status == RequestStatus.RUNNING:
+                req.num_computed_tokens -= n
+        self.finish_requests(failed, RequestStatus.FINISHED_ERROR)
+        return failed
 
     def finish_requests(self, req_ids: Iterable[str], status: RequestStatus, stop_reason: int | str | None = None) -> None:
         """Finish requests from outside the step (abort, stop string matched)."""

@@ -76,10 +76,16 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[EngineCoreOutput]:
+        """Schedule, execute, update. If execution raises, the step's requests are failed
+        (see ``Scheduler.fail_step``) before the exception propagates; the caller reports them."""
         if not self.scheduler.has_unfinished_requests():
             return []
         scheduler_output = self.scheduler.schedule()
-        model_output = self.executor.execute_model(scheduler_output)
+        try:
+            model_output = self.executor.execute_model(scheduler_output)
+        except Exception:
+            self.scheduler.fail_step(scheduler_output)
+            raise
         return self.scheduler.update_from_output(
             scheduler_output, model_output.sampled_token_ids, model_output.logprobs
         )

@@ -102,6 +102,9 @@ class LLM:
                     if output.finished and output.request_id in wanted:
                         finished[output.request_id] = output
                         bar.update(1)
+        except BaseException:
+            engine.abort_request([r for r in request_ids if r not in finished])
+            raise
         finally:
             bar.close()
         return [finished[r] for r in request_ids]
