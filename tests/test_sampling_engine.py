@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import make_tiny_checkpoint
+from conftest import make_tiny_checkpoint, save_byte_tokenizer
 from tokenmill import LLM, SamplingParams
 
 
@@ -12,6 +12,13 @@ from tokenmill import LLM, SamplingParams
 def tiny(tmp_path_factory):
     path = make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), "llama", initializer_range=0.02)
     return LLM(model=path, num_kv_blocks=128, block_size=8, max_model_len=512)
+
+
+@pytest.fixture(scope="module")
+def tiny_with_tokenizer(tmp_path_factory):
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-tok"), "llama", initializer_range=0.02)
+    save_byte_tokenizer(path)
+    return LLM(model=path, num_kv_blocks=64, block_size=8, max_model_len=128)
 
 
 @pytest.fixture(scope="module")
@@ -108,3 +115,23 @@ def test_multibyte_text_is_never_split(smol):
     text = out.outputs[0].text
     assert "\ufffd" not in text or "\ufffd" in smol.get_tokenizer().decode(out.outputs[0].token_ids)
     assert text == smol.get_tokenizer().decode(out.outputs[0].token_ids, skip_special_tokens=True)
+
+
+def test_stop_string_completed_by_the_length_capped_token(tiny_with_tokenizer):
+    llm = tiny_with_tokenizer
+    sample = dict(temperature=1.0, seed=11, ignore_eos=True)
+    full = llm.generate("ab", SamplingParams(max_tokens=24, **sample), use_tqdm=False)[0].outputs[0]
+    decode = llm.get_tokenizer().decode
+    # The shortest output whose last token adds a printable ASCII character not seen before.
+    max_tokens, stop = next(
+        (k, text[-1])
+        for k in range(2, len(full.token_ids) + 1)
+        if (text := decode(full.token_ids[:k])) != decode(full.token_ids[: k - 1])
+        and text[-1].isprintable() and text[-1].isascii() and text.index(text[-1]) == len(text) - 1
+    )
+    out = llm.generate("ab", SamplingParams(max_tokens=max_tokens, stop=stop, **sample), use_tqdm=False)[0]
+    completion = out.outputs[0]
+    assert completion.token_ids == full.token_ids[:max_tokens]
+    assert completion.text == decode(full.token_ids[:max_tokens])[:-1]
+    assert (completion.finish_reason, completion.stop_reason) == ("stop", stop)
+
