@@ -135,3 +135,16 @@ def test_stop_string_completed_by_the_length_capped_token(tiny_with_tokenizer):
     assert completion.text == decode(full.token_ids[:max_tokens])[:-1]
     assert (completion.finish_reason, completion.stop_reason) == ("stop", stop)
 
+
+def test_n_children_never_collide_with_caller_ids(tiny):
+    engine = tiny.llm_engine
+    engine.add_request("0_a", PROMPT, SamplingParams(max_tokens=3, ignore_eos=True))
+    engine.add_request("a", PROMPT, SamplingParams(n=2, max_tokens=5, ignore_eos=True))
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    assert sorted(finished) == ["0_a", "a"]
+    assert [len(c.token_ids) for c in finished["0_a"].outputs] == [3]
+    assert [len(c.token_ids) for c in finished["a"].outputs] == [5, 5]
+    assert engine.get_num_unfinished_requests() == 0
+

@@ -104,7 +104,7 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = self.tokenize_prompt(prompt)
         arrival_time = arrival_time or time.monotonic()
-        child_ids = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
+        child_ids = [child_request_id(i, request_id) for i in range(params.n)]
         self.output_processor.add_request(
             request_id, text, ids, params, child_ids, arrival_time, output_kind
         )
@@ -175,6 +175,14 @@ def load_tokenizer(path: str):
     if not any(os.path.exists(os.path.join(path, n)) for n in names):
         return None
     return AutoTokenizer.from_pretrained(path)
+
+
+def child_request_id(index: int, request_id: str) -> str:
+    """The engine-core id of completion ``index`` of request ``request_id``.
+
+    Every request, ``n == 1`` included, is named so: as the index has no ``_``, distinct
+    (index, request id) pairs never share an id, whatever ids callers choose."""
+    return f"{index}_{request_id}"
 
 
 def _eos_token_id(tokenizer, hf_config) -> int | None:
