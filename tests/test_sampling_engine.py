@@ -148,3 +148,19 @@ def test_n_children_never_collide_with_caller_ids(tiny):
     assert [len(c.token_ids) for c in finished["a"].outputs] == [5, 5]
     assert engine.get_num_unfinished_requests() == 0
 
+
+def test_add_request_that_fails_registers_nothing(tiny):
+    engine = tiny.llm_engine
+    before = tiny.get_stats()
+    with pytest.raises(ValueError, match="seed"):
+        engine.add_request("s", PROMPT, SamplingParams(n=2, temperature=1.0, seed=2**64 - 1))
+    assert not engine.has_unfinished_requests() and engine.get_num_unfinished_requests() == 0
+    engine.add_request("s", PROMPT, SamplingParams(n=2, temperature=1.0, seed=2**64 - 2, max_tokens=4))
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += [o for o in engine.step() if o.finished]
+    assert [o.request_id for o in outputs] == ["s"]
+    assert [len(c.token_ids) for c in outputs[0].outputs] == [4, 4]
+    stats = tiny.get_stats()
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"] == before["kv_blocks_total"]
+    assert stats["num_requests_finished"] == before["num_requests_finished"] + 1
