@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from conftest import make_tiny_checkpoint, save_byte_tokenizer
@@ -164,3 +166,28 @@ def test_add_request_that_fails_registers_nothing(tiny):
     stats = tiny.get_stats()
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"] == before["kv_blocks_total"]
     assert stats["num_requests_finished"] == before["num_requests_finished"] + 1
+
+
+@pytest.mark.parametrize("source", ["generation_config.json", "config.json"])
+def test_every_eos_id_of_the_checkpoint_stops_generation(tmp_path, source):
+    path = make_tiny_checkpoint(tmp_path / "m", "llama", initializer_range=0.02)
+    kwargs = dict(model=path, num_kv_blocks=32, block_size=8, max_model_len=64)
+    greedy = SamplingParams(temperature=0, max_tokens=12)
+    tokens = LLM(**kwargs).generate(PROMPT, greedy, use_tqdm=False)[0].outputs[0].token_ids
+    unused = min(set(range(256)) - set(tokens))
+    extra = tokens[2]
+    config_file = tmp_path / "m" / "config.json"
+    config = json.loads(config_file.read_text())
+    if source == "generation_config.json":
+        config["eos_token_id"] = unused
+        (tmp_path / "m" / "generation_config.json").write_text(json.dumps({"eos_token_id": [unused, extra]}))
+    else:
+        config["eos_token_id"] = [unused, extra]
+        (tmp_path / "m" / "generation_config.json").unlink(missing_ok=True)
+    config_file.write_text(json.dumps(config))
+    llm = LLM(**kwargs)
+    out = llm.generate(PROMPT, greedy, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == tokens[: tokens.index(extra) + 1]
+    assert (out.finish_reason, out.stop_reason) == ("stop", extra)
+    ignored = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    assert ignored[0].outputs[0].token_ids == tokens

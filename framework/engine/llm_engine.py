@@ -16,6 +16,7 @@ from tokenmill.core.kv_cache_utils import make_block_hasher
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.engine.engine_core import EngineCore
 from tokenmill.engine.output_processor import OutputProcessor, RequestOutputKind
+from tokenmill.model_loader.loader import load_generation_config
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
@@ -30,6 +31,7 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.block_hasher = make_block_hasher(config.block_size)
         self.eos_token_id = _eos_token_id(self.tokenizer, config.hf_config)
+        self.generation_config = load_generation_config(config.model_path, config.hf_config)
         self.vocab_size = config.hf_config.vocab_size
         self._ids = itertools.count()
 
@@ -104,6 +106,8 @@ class LLMEngine:
         if request_id in self.output_processor.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = self.tokenize_prompt(prompt)
+        params = params.clone()
+        params.update_from_generation_config(self.generation_config, self.eos_token_id)
         arrival_time = arrival_time or time.monotonic()
         max_tokens = params.max_tokens or self.config.max_model_len - len(ids)
         children = [
