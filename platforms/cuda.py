@@ -25,7 +25,6 @@ class CudaPlatform(Platform):
     device_type = "cuda"
     supported_dtypes = (torch.bfloat16, torch.float16, torch.float32)
     """bfloat16 needs compute capability 8.0 (Ampere); ``check_and_update_config`` enforces it."""
-    dist_backend = "nccl"
     detection_priority = 10
     attn_backend_priority: tuple[str, ...] = ("flash_attn", "flashinfer", "triton", "torch")
 
