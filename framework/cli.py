@@ -30,7 +30,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-dtype", default="auto")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    g.add_argument("--gpu-memory-utilization", type=float, default=None, help="GPUs only (default 0.9)")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
 
 

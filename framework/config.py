@@ -20,12 +20,19 @@ DTYPES = {
 }
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 MAX_DEFAULT_MODEL_LEN = 32768
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 
 
 @dataclass
 class EngineConfig:
     """Everything ``LLM(...)`` accepts; see DESIGN.md's public API. ``finalize()`` fills the
-    derived fields (model path, HF config, platform, torch dtype, lengths)."""
+    derived fields (model path, HF config, platform, torch dtype, lengths).
+
+    Settings whose feature has not landed (speculative decoding, quantization without a
+    registered method, an FP8 KV cache, tensor/pipeline/data parallelism) raise
+    ``ValueError`` rather than being ignored; so does ``gpu_memory_utilization`` (None: 0.9
+    on GPUs) on a CPU platform.
+    """
 
     model: str | None = None
     tokenizer: str | None = None
@@ -45,11 +52,13 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     speculative_config: dict[str, Any] | None = None
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
     seed: int = 0
     scheduling_policy: str = "fcfs"
     watermark: float = 0.01
     enforce_eager: bool = False
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: float | None = None
 
     model_path: str = field(init=False, default="")
     hf_config: Any = field(init=False, default=None)
@@ -65,7 +74,13 @@ class EngineConfig:
         return cls(**kwargs)
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "block_size", "tensor_parallel_size"):
+        for name in (
+            "max_num_seqs",
+            "block_size",
+            "tensor_parallel_size",
+            "pipeline_parallel_size",
+            "data_parallel_size",
+        ):
             _positive_int(name, getattr(self, name))
         for name in ("max_model_len", "max_num_batched_tokens", "num_kv_blocks", "kv_cache_memory_bytes"):
             if getattr(self, name) is not None:
@@ -76,12 +91,28 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', got {self.kv_cache_dtype!r}")
         if not 0 <= self.watermark < 1:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
-        if not 0 < self.gpu_memory_utilization <= 1:
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
         if self.long_prefill_token_threshold < 0:
             raise ValueError("long_prefill_token_threshold must be >= 0")
+        self._refuse_missing_features()
+
+    def _refuse_missing_features(self) -> None:
+        defaults = {f.name: f.default for f in fields(self)}
+        for feature, name, wanted in (
+            ("speculative decoding", "speculative_config", self.speculative_config is not None),
+            ("an FP8 KV cache", "kv_cache_dtype", self.kv_cache_dtype != "auto"),
+            ("tensor parallelism", "tensor_parallel_size", self.tensor_parallel_size > 1),
+            ("pipeline parallelism", "pipeline_parallel_size", self.pipeline_parallel_size > 1),
+            ("data parallelism", "data_parallel_size", self.data_parallel_size > 1),
+        ):
+            if wanted:
+                raise ValueError(
+                    f"{feature} is not implemented yet ({name}={getattr(self, name)!r}); "
+                    f"leave {name} at {defaults[name]!r}"
+                )
 
     def finalize(self) -> EngineConfig:
         """Resolve the model, platform, dtype and lengths; raises on anything unusable."""
@@ -99,6 +130,13 @@ class EngineConfig:
         self.hf_config = load_hf_config(self.model_path)
         self.platform_cls = select_platform(self.platform)
         self.torch_dtype = self._resolve_dtype()
+        self._check_quantization()
+        if self.gpu_memory_utilization is not None and self.platform_cls.device_type == "cpu":
+            raise ValueError(
+                f"gpu_memory_utilization applies to GPU platforms only; platform "
+                f"{self.platform_cls.name!r} sizes the KV cache from kv_cache_memory_bytes or "
+                f"num_kv_blocks"
+            )
 
         model_max = _model_max_len(self.hf_config)
         if self.max_model_len is None:
@@ -119,6 +157,40 @@ class EngineConfig:
             )
         self.platform_cls.check_and_update_config(self)
         return self
+
+    def _check_quantization(self) -> None:
+        """Take the checkpoint's ``quant_method`` when ``quantization`` is None, then refuse a
+        method that is not registered, that the platform does not run (its
+        ``supported_quantization``, when not empty) or that does not compute in the dtype."""
+        from tokenmill import plugins
+
+        checkpoint = getattr(self.hf_config, "quantization_config", None) or {}
+        self.quantization = self.quantization or checkpoint.get("quant_method")
+        if self.quantization is None:
+            return
+        registry = plugins.get_registry("quantization_methods")
+        if not registry.names():
+            raise ValueError(
+                f"quantization is not implemented yet (quantization={self.quantization!r}): "
+                f"no quantization method is registered"
+            )
+        if self.quantization not in registry:
+            raise ValueError(
+                f"quantization method {self.quantization!r} is not registered; "
+                f"registered: {', '.join(registry.names())}"
+            )
+        supported = self.platform_cls.supported_quantization
+        if supported and self.quantization not in supported:
+            raise ValueError(
+                f"platform {self.platform_cls.name!r} does not run quantization "
+                f"{self.quantization!r}; it runs: {', '.join(supported)}"
+            )
+        act_dtypes = registry.load(self.quantization).supported_act_dtypes()
+        if self.torch_dtype not in act_dtypes:
+            raise ValueError(
+                f"quantization {self.quantization!r} computes in "
+                f"{', '.join(map(str, act_dtypes))}, not {self.torch_dtype}"
+            )
 
     def _resolve_dtype(self) -> torch.dtype:
         stored = getattr(self.hf_config, "dtype", None) or getattr(self.hf_config, "torch_dtype", None)

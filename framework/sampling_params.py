@@ -117,6 +117,22 @@ class SamplingParams:
             return SamplingType.GREEDY
         return SamplingType.RANDOM if self.seed is None else SamplingType.RANDOM_SEED
 
+    def update_from_generation_config(
+        self, generation_config: dict[str, Any], model_eos_token_id: int | None = None
+    ) -> None:
+        """Stop also at the checkpoint's other EOS ids (vLLM's method of the same name).
+
+        ``generation_config["eos_token_id"]`` (an int or a list) may name EOS ids besides the
+        model's ``model_eos_token_id`` (Llama 3 has two); unless ``ignore_eos``, they join
+        ``stop_token_ids``, so a completion they end reports the id as its ``stop_reason``.
+        """
+        eos_ids = generation_config.get("eos_token_id")
+        if eos_ids is None or self.ignore_eos:
+            return
+        eos_ids = [eos_ids] if _is_int(eos_ids) else list(eos_ids)
+        extra = [int(i) for i in eos_ids if i != model_eos_token_id]
+        self.stop_token_ids = list(dict.fromkeys(self.stop_token_ids + extra))
+
     def clone(self) -> SamplingParams:
         """A deep copy, so per-request changes never touch a params object shared by a batch."""
         return copy.deepcopy(self)

@@ -30,7 +30,6 @@ class CpuPlatform(Platform):
     name = "cpu"
     device_type = "cpu"
     supported_dtypes = (torch.float32, torch.bfloat16, torch.float16)
-    dist_backend = "gloo"
     detection_priority = 0
 
     @classmethod

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from tokenmill.config import DEFAULT_GPU_MEMORY_UTILIZATION
 from tokenmill.interfaces.attention import AttentionConfig
 from tokenmill.interfaces.platform import Platform
 
@@ -24,7 +25,6 @@ class CudaPlatform(Platform):
     device_type = "cuda"
     supported_dtypes = (torch.bfloat16, torch.float16, torch.float32)
     """bfloat16 needs compute capability 8.0 (Ampere); ``check_and_update_config`` enforces it."""
-    dist_backend = "nccl"
     detection_priority = 10
     attn_backend_priority: tuple[str, ...] = ("flash_attn", "flashinfer", "triton", "torch")
 
@@ -85,18 +85,19 @@ class CudaPlatform(Platform):
 
     @classmethod
     def get_kv_cache_budget(cls, config: EngineConfig) -> int:
-        """``total × gpu_memory_utilization`` minus everything in use now (called after the model
-        is loaded, so weights, the CUDA context and other processes count). The remaining
-        ``1 - gpu_memory_utilization`` is the headroom for activations, the sampler and CUDA
-        graphs."""
+        """``total × gpu_memory_utilization`` (0.9 when None) minus everything in use now
+        (called after the model is loaded, so weights, the CUDA context and other processes
+        count). The remaining ``1 - gpu_memory_utilization`` is the headroom for activations,
+        the sampler and CUDA graphs."""
         free, total = torch.cuda.mem_get_info()
         used = total - free
-        budget = int(total * config.gpu_memory_utilization) - used
+        utilization = config.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
+        budget = int(total * utilization) - used
         if budget <= 0:
             raise ValueError(
                 f"no GPU memory left for the KV cache: {used / 2**30:.2f} GiB of "
                 f"{total / 2**30:.2f} GiB are in use, more than gpu_memory_utilization="
-                f"{config.gpu_memory_utilization} allows; raise it, or set num_kv_blocks or "
+                f"{utilization} allows; raise it, or set num_kv_blocks or "
                 f"kv_cache_memory_bytes"
             )
         return budget

@@ -1,6 +1,5 @@
 """The ROCm platform: AMD GPUs through torch's HIP build (which keeps the ``cuda`` device type
-and the ``torch.cuda`` API). Attention runs on the Triton kernels; collectives on RCCL, which
-torch.distributed names ``nccl``."""
+and the ``torch.cuda`` API). Attention runs on the Triton kernels."""
 
 from __future__ import annotations
 

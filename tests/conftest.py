@@ -93,3 +93,16 @@ def assert_greedy_close(ours: list[int], our_logprobs: list[dict[int, float]], r
         assert b in our_top5, f"position {k}: HF token {b} not in our top-5 {our_top5}"
         return
     assert len(ours) == len(ref)
+
+
+def save_byte_tokenizer(path) -> None:
+    """Save a byte-level tokenizer under ``path`` whose 256 ids are the 256 bytes (no merges),
+    matching ``make_tiny_checkpoint``'s vocabulary."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    byte_chars = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(byte_chars)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(str(path))

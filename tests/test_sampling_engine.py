@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from conftest import make_tiny_checkpoint
+from conftest import make_tiny_checkpoint, save_byte_tokenizer
 from tokenmill import LLM, SamplingParams
 
 
@@ -12,6 +14,13 @@ from tokenmill import LLM, SamplingParams
 def tiny(tmp_path_factory):
     path = make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), "llama", initializer_range=0.02)
     return LLM(model=path, num_kv_blocks=128, block_size=8, max_model_len=512)
+
+
+@pytest.fixture(scope="module")
+def tiny_with_tokenizer(tmp_path_factory):
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-tok"), "llama", initializer_range=0.02)
+    save_byte_tokenizer(path)
+    return LLM(model=path, num_kv_blocks=64, block_size=8, max_model_len=128)
 
 
 @pytest.fixture(scope="module")
@@ -108,3 +117,77 @@ def test_multibyte_text_is_never_split(smol):
     text = out.outputs[0].text
     assert "\ufffd" not in text or "\ufffd" in smol.get_tokenizer().decode(out.outputs[0].token_ids)
     assert text == smol.get_tokenizer().decode(out.outputs[0].token_ids, skip_special_tokens=True)
+
+
+def test_stop_string_completed_by_the_length_capped_token(tiny_with_tokenizer):
+    llm = tiny_with_tokenizer
+    sample = dict(temperature=1.0, seed=11, ignore_eos=True)
+    full = llm.generate("ab", SamplingParams(max_tokens=24, **sample), use_tqdm=False)[0].outputs[0]
+    decode = llm.get_tokenizer().decode
+    # The shortest output whose last token adds a printable ASCII character not seen before.
+    max_tokens, stop = next(
+        (k, text[-1])
+        for k in range(2, len(full.token_ids) + 1)
+        if (text := decode(full.token_ids[:k])) != decode(full.token_ids[: k - 1])
+        and text[-1].isprintable() and text[-1].isascii() and text.index(text[-1]) == len(text) - 1
+    )
+    out = llm.generate("ab", SamplingParams(max_tokens=max_tokens, stop=stop, **sample), use_tqdm=False)[0]
+    completion = out.outputs[0]
+    assert completion.token_ids == full.token_ids[:max_tokens]
+    assert completion.text == decode(full.token_ids[:max_tokens])[:-1]
+    assert (completion.finish_reason, completion.stop_reason) == ("stop", stop)
+
+
+def test_n_children_never_collide_with_caller_ids(tiny):
+    engine = tiny.llm_engine
+    engine.add_request("0_a", PROMPT, SamplingParams(max_tokens=3, ignore_eos=True))
+    engine.add_request("a", PROMPT, SamplingParams(n=2, max_tokens=5, ignore_eos=True))
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    assert sorted(finished) == ["0_a", "a"]
+    assert [len(c.token_ids) for c in finished["0_a"].outputs] == [3]
+    assert [len(c.token_ids) for c in finished["a"].outputs] == [5, 5]
+    assert engine.get_num_unfinished_requests() == 0
+
+
+def test_add_request_that_fails_registers_nothing(tiny):
+    engine = tiny.llm_engine
+    before = tiny.get_stats()
+    with pytest.raises(ValueError, match="seed"):
+        engine.add_request("s", PROMPT, SamplingParams(n=2, temperature=1.0, seed=2**64 - 1))
+    assert not engine.has_unfinished_requests() and engine.get_num_unfinished_requests() == 0
+    engine.add_request("s", PROMPT, SamplingParams(n=2, temperature=1.0, seed=2**64 - 2, max_tokens=4))
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += [o for o in engine.step() if o.finished]
+    assert [o.request_id for o in outputs] == ["s"]
+    assert [len(c.token_ids) for c in outputs[0].outputs] == [4, 4]
+    stats = tiny.get_stats()
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"] == before["kv_blocks_total"]
+    assert stats["num_requests_finished"] == before["num_requests_finished"] + 1
+
+
+@pytest.mark.parametrize("source", ["generation_config.json", "config.json"])
+def test_every_eos_id_of_the_checkpoint_stops_generation(tmp_path, source):
+    path = make_tiny_checkpoint(tmp_path / "m", "llama", initializer_range=0.02)
+    kwargs = dict(model=path, num_kv_blocks=32, block_size=8, max_model_len=64)
+    greedy = SamplingParams(temperature=0, max_tokens=12)
+    tokens = LLM(**kwargs).generate(PROMPT, greedy, use_tqdm=False)[0].outputs[0].token_ids
+    unused = min(set(range(256)) - set(tokens))
+    extra = tokens[2]
+    config_file = tmp_path / "m" / "config.json"
+    config = json.loads(config_file.read_text())
+    if source == "generation_config.json":
+        config["eos_token_id"] = unused
+        (tmp_path / "m" / "generation_config.json").write_text(json.dumps({"eos_token_id": [unused, extra]}))
+    else:
+        config["eos_token_id"] = [unused, extra]
+        (tmp_path / "m" / "generation_config.json").unlink(missing_ok=True)
+    config_file.write_text(json.dumps(config))
+    llm = LLM(**kwargs)
+    out = llm.generate(PROMPT, greedy, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == tokens[: tokens.index(extra) + 1]
+    assert (out.finish_reason, out.stop_reason) == ("stop", extra)
+    ignored = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    assert ignored[0].outputs[0].token_ids == tokens

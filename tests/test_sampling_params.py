@@ -107,3 +107,15 @@ def test_clone_is_independent():
     c.stop_token_ids.append(2)
     assert p.stop == ["x"] and p.stop_token_ids == [1]
     assert c == SamplingParams(stop=["x", "y"], stop_token_ids=[1, 2])
+
+
+def test_update_from_generation_config_adds_the_other_eos_ids():
+    p = SamplingParams(stop_token_ids=[7])
+    p.update_from_generation_config({"eos_token_id": [2, 9, 7]}, model_eos_token_id=2)
+    assert p.stop_token_ids == [7, 9]
+    single = SamplingParams()
+    single.update_from_generation_config({"eos_token_id": 5})
+    assert single.stop_token_ids == [5]
+    ignored = SamplingParams(ignore_eos=True)
+    ignored.update_from_generation_config({"eos_token_id": [2, 9]}, model_eos_token_id=2)
+    assert ignored.stop_token_ids == []

@@ -16,6 +16,7 @@ from tokenmill.core.kv_cache_utils import make_block_hasher
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.engine.engine_core import EngineCore
 from tokenmill.engine.output_processor import OutputProcessor, RequestOutputKind
+from tokenmill.model_loader.loader import load_generation_config
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
@@ -30,6 +31,7 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.block_hasher = make_block_hasher(config.block_size)
         self.eos_token_id = _eos_token_id(self.tokenizer, config.hf_config)
+        self.generation_config = load_generation_config(config.model_path, config.hf_config)
         self.vocab_size = config.hf_config.vocab_size
         self._ids = itertools.count()
 
@@ -93,7 +95,8 @@ class LLMEngine:
         priority: int = 0,
         output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
     ) -> None:
-        """Validate, tokenize and queue a request; ``n > 1`` runs as n child requests.
+        """Validate, tokenize and queue a request; ``n > 1`` runs as n child requests. A
+        ``ValueError`` leaves nothing registered.
 
         ``output_kind`` chooses what ``step()`` reports for it: everything so far, only what
         is new (for streaming), or one output at the end."""
@@ -103,29 +106,28 @@ class LLMEngine:
         if request_id in self.output_processor.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = self.tokenize_prompt(prompt)
+        params = params.clone()
+        params.update_from_generation_config(self.generation_config, self.eos_token_id)
         arrival_time = arrival_time or time.monotonic()
-        child_ids = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
-        self.output_processor.add_request(
-            request_id, text, ids, params, child_ids, arrival_time, output_kind
-        )
         max_tokens = params.max_tokens or self.config.max_model_len - len(ids)
-        for i, child_id in enumerate(child_ids):
-            child_params = params
-            if params.n > 1:
-                seed = None if params.seed is None else params.seed + i
-                child_params = replace(params, n=1, seed=seed)
-            self.engine_core.add_request(
-                Request(
-                    child_id,
-                    ids,
-                    child_params,
-                    self.eos_token_id,
-                    max_tokens,
-                    arrival_time=arrival_time,
-                    priority=priority,
-                    block_hasher=self.block_hasher,
-                )
+        children = [
+            Request(
+                child_request_id(i, request_id),
+                ids,
+                child_params,
+                self.eos_token_id,
+                max_tokens,
+                arrival_time=arrival_time,
+                priority=priority,
+                block_hasher=self.block_hasher,
             )
+            for i, child_params in enumerate(_child_params(params))
+        ]
+        self.output_processor.add_request(
+            request_id, text, ids, params, [c.request_id for c in children], arrival_time, output_kind
+        )
+        for child in children:
+            self.engine_core.add_request(child)
 
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
         """Abort requests at any point; their blocks are freed at once."""
@@ -175,6 +177,25 @@ def load_tokenizer(path: str):
     if not any(os.path.exists(os.path.join(path, n)) for n in names):
         return None
     return AutoTokenizer.from_pretrained(path)
+
+
+def child_request_id(index: int, request_id: str) -> str:
+    """The engine-core id of completion ``index`` of request ``request_id``.
+
+    Every request, ``n == 1`` included, is named so: as the index has no ``_``, distinct
+    (index, request id) pairs never share an id, whatever ids callers choose."""
+    return f"{index}_{request_id}"
+
+
+def _child_params(params: SamplingParams) -> list[SamplingParams]:
+    """One ``n == 1`` copy of ``params`` per completion, completion i seeded ``seed + i``;
+    raises ``ValueError`` if any copy is invalid."""
+    if params.n == 1:
+        return [params]
+    return [
+        replace(params, n=1, seed=None if params.seed is None else params.seed + i)
+        for i in range(params.n)
+    ]
 
 
 def _eos_token_id(tokenizer, hf_config) -> int | None:

@@ -152,9 +152,10 @@ class OutputProcessor:
             detok = state.detokenizers[index]
             if detok is not None:
                 stop_str = detok.update(out.new_token_ids, finish_reason == "stop")
-                if stop_str is not None and finish_reason is None:
+                if stop_str is not None:
+                    if finish_reason is None:
+                        stopped.append((out.req_id, stop_str))
                     finish_reason, stop_reason = "stop", stop_str
-                    stopped.append((out.req_id, stop_str))
                 completion.text = detok.get_next_output_text(finish_reason is not None, delta=False)
             finished = finish_reason is not None
             if finished:

@@ -44,5 +44,5 @@ class ModelRegistry:
                 return registry.load(arch), arch
         raise ValueError(
             f"model architectures {architectures} are not supported; "
-            f"registered: {', '.join(registry.names()) or 'none'}"
+            f"registered: {', '.join(ModelRegistry.supported_archs()) or 'none'}"
         )

@@ -19,8 +19,8 @@ class Platform:
     name: ClassVar[str] = "base"
     device_type: ClassVar[str] = "cpu"
     supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32,)
-    dist_backend: ClassVar[str] = "gloo"
     supported_quantization: ClassVar[tuple[str, ...]] = ()
+    """Quantization methods it runs; empty: any registered method (as in vLLM)."""
     detection_priority: ClassVar[int] = 0
     """Among available built-in platforms the highest priority wins (CUDA over CPU)."""
 
@@ -42,11 +42,6 @@ class Platform:
     def get_attn_backend_candidates(cls, config: AttentionConfig) -> list[str]:
         """Backend names to try, by priority."""
         return []
-
-    @classmethod
-    def get_device_communicator_cls(cls) -> str | None:
-        """``module:Class`` of the tensor-parallel communicator, or None for torch.distributed."""
-        return None
 
     @classmethod
     def default_dtype(cls, model_dtype: torch.dtype) -> torch.dtype:

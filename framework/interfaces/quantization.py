@@ -34,11 +34,7 @@ class LinearMethod(ABC):
 
 class QuantizationMethod(ABC):
     """A registered quantization scheme, built from a checkpoint's ``quantization_config`` or
-    the ``quantization=`` argument."""
-
-    @classmethod
-    @abstractmethod
-    def get_name(cls) -> str: ...
+    the ``quantization=`` argument; registered under its name."""
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> QuantizationMethod:
@@ -46,12 +42,9 @@ class QuantizationMethod(ABC):
 
     @classmethod
     def supported_act_dtypes(cls) -> list[torch.dtype]:
+        """Activation dtypes it computes in; the engine refuses any other ``dtype``."""
         return [torch.float32, torch.float16, torch.bfloat16]
 
     @abstractmethod
     def get_linear_method(self, layer: nn.Module, prefix: str) -> LinearMethod | None:
         """The method for the linear layer at ``prefix``; None leaves it unquantized."""
-
-    def get_kv_cache_dtype(self) -> torch.dtype | None:
-        """A KV-cache dtype this method implies, if any."""
-        return None

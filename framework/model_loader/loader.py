@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -22,6 +24,16 @@ def load_hf_config(model_dir: str | Path) -> PretrainedConfig:
     if not (root / "config.json").is_file():
         raise FileNotFoundError(f"model directory {str(model_dir)!r} has no config.json")
     return AutoConfig.from_pretrained(root)
+
+
+def load_generation_config(model_dir: str | Path, hf_config: PretrainedConfig) -> dict[str, Any]:
+    """The checkpoint's ``generation_config.json``; without one, the ``eos_token_id`` of
+    ``config.json`` (as transformers and vLLM fall back)."""
+    path = Path(model_dir) / "generation_config.json"
+    if path.is_file():
+        return json.loads(path.read_text())
+    eos = getattr(hf_config, "eos_token_id", None)
+    return {} if eos is None else {"eos_token_id": eos}
 
 
 def load_model(

@@ -13,10 +13,6 @@ class UniProcExecutor:
     """One worker in the engine's own process (``tensor_parallel_size == 1``)."""
 
     def __init__(self, config: EngineConfig) -> None:
-        if config.tensor_parallel_size != 1:
-            raise ValueError(
-                f"tensor_parallel_size={config.tensor_parallel_size} is not supported yet; use 1"
-            )
         self.worker = Worker(config)
         self.worker.load_model()
 

@@ -25,7 +25,6 @@ class ExamplePlatform(Platform):
     name = "example"
     device_type = "cpu"
     supported_dtypes = (torch.float32,)
-    dist_backend = "gloo"
 
     @classmethod
     def is_available(cls) -> bool:

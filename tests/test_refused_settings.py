@@ -1,0 +1,84 @@
+"""Settings whose feature has not landed are refused when the engine is built, never ignored."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from conftest import make_tiny_checkpoint
+from tokenmill import LLM, plugins
+from tokenmill.config import EngineConfig
+from tokenmill.platforms.cpu import CpuPlatform
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> str:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), "llama")
+
+
+@pytest.fixture
+def fake_quant(monkeypatch) -> Iterator[str]:
+    """A quantization method registered at run time, forgotten afterwards."""
+    monkeypatch.setattr(plugins, "_runtime", [])
+    plugins.register_quantization_method("fake-quant", "test_refused_settings:FakeQuant")
+    yield "fake-quant"
+    monkeypatch.undo()
+    plugins.reload_plugins()
+
+
+class FakeQuant:
+    @classmethod
+    def supported_act_dtypes(cls) -> list[torch.dtype]:
+        return [torch.bfloat16]
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"speculative_config": {"method": "ngram"}}, r"speculative decoding is not implemented yet \(speculative_config=\{'method': 'ngram'\}\)"),
+        ({"kv_cache_dtype": "fp8"}, r"an FP8 KV cache is not implemented yet \(kv_cache_dtype='fp8'\)"),
+        ({"kv_cache_dtype": "fp8_e4m3"}, r"an FP8 KV cache is not implemented yet \(kv_cache_dtype='fp8_e4m3'\)"),
+        ({"kv_cache_dtype": "fp8_e5m2"}, r"an FP8 KV cache is not implemented yet \(kv_cache_dtype='fp8_e5m2'\)"),
+        ({"tensor_parallel_size": 2}, r"tensor parallelism is not implemented yet \(tensor_parallel_size=2\)"),
+        ({"pipeline_parallel_size": 2}, r"pipeline parallelism is not implemented yet \(pipeline_parallel_size=2\)"),
+        ({"data_parallel_size": 4}, r"data parallelism is not implemented yet \(data_parallel_size=4\)"),
+    ],
+)
+def test_unimplemented_features_are_refused(tiny_dir, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**kwargs)
+    with pytest.raises(ValueError, match=message):
+        LLM(model=tiny_dir, **kwargs)
+
+
+def test_quantization_without_any_method_is_refused(tiny_dir):
+    with pytest.raises(ValueError, match=r"quantization is not implemented yet \(quantization='fp8'\)"):
+        LLM(model=tiny_dir, quantization="fp8")
+
+
+def test_quantized_checkpoint_is_refused(tmp_path):
+    path = make_tiny_checkpoint(tmp_path, "llama")
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"quantization is not implemented yet \(quantization='gptq'\)"):
+        LLM(model=path)
+
+
+def test_quantization_method_is_checked_against_registry_and_platform(tiny_dir, fake_quant, monkeypatch):
+    with pytest.raises(ValueError, match=r"quantization method 'other' is not registered; registered: fake-quant"):
+        EngineConfig(model=tiny_dir, quantization="other").finalize()
+    with pytest.raises(ValueError, match=r"quantization 'fake-quant' computes in torch.bfloat16, not torch.float32"):
+        EngineConfig(model=tiny_dir, quantization=fake_quant, dtype="float32").finalize()
+    assert EngineConfig(model=tiny_dir, quantization=fake_quant, dtype="bfloat16").finalize()
+    monkeypatch.setattr(CpuPlatform, "supported_quantization", ("awq",))
+    with pytest.raises(ValueError, match=r"platform 'cpu' does not run quantization 'fake-quant'; it runs: awq"):
+        EngineConfig(model=tiny_dir, quantization=fake_quant, dtype="bfloat16").finalize()
+
+
+def test_gpu_memory_utilization_is_refused_on_the_cpu(tiny_dir):
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization applies to GPU platforms only"):
+        LLM(model=tiny_dir, platform="cpu", gpu_memory_utilization=0.5)
