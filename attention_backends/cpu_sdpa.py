@@ -11,7 +11,11 @@ the reference backend, all about moving fewer bytes:
 - decode tokens (float32) go to a C kernel (``tokenmill.ops.cpu``) that reads each request's
   context straight from its blocks, once; without a C compiler they run as one batched SDPA call
   with the query heads of each KV group folded into the query-length axis, so grouped-query
-  attention needs no K/V expansion.
+  attention needs no K/V expansion;
+- with a sliding window, a chunk on a cached prefix gathers only the blocks its window reaches
+  and the C kernel skips the blocks before each request's window; the rest is masked. The plan
+  of each step (blocks and masks) is made once per window, on first use, and shared by every
+  layer with that window.
 
 Padding up to a whole block reads slots that may hold another request's values or be
 unwritten; they are masked out, and since the model runner zero-fills the cache they are always
@@ -20,11 +24,12 @@ finite (a NaN there would leak through ``0 * NaN`` in the weighted sum).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
+from tokenmill.attention_backends.torch_ref import causal_mask
 from tokenmill.interfaces.attention import (
     AttentionBackend,
     AttentionConfig,
@@ -39,8 +44,8 @@ from tokenmill.ops import cpu as cpu_ops
 class PrefillChunk:
     token_start: int
     token_end: int
-    block_ids: torch.Tensor | None  # blocks covering the context; None: no cached prefix
-    mask: torch.Tensor | None  # [query_len, context_len] bool, None with no cached prefix
+    block_ids: torch.Tensor | None  # blocks from the first one in the window; None: no prefix
+    mask: torch.Tensor | None  # [query_len, keys] bool, True = attend; None: plain causal
 
 
 @dataclass
@@ -53,55 +58,78 @@ class DecodeBatch:
 
 
 @dataclass
-class CpuSdpaMetadata:
-    slot_mapping: torch.Tensor
-    num_actual_tokens: int
+class StepPlan:
+    """One step's attention work for the layers of one sliding window (or none)."""
+
     decode: DecodeBatch | None
     prefills: list[PrefillChunk]
 
 
+@dataclass
+class CpuSdpaMetadata:
+    slot_mapping: torch.Tensor
+    num_actual_tokens: int
+    common: CommonAttentionMetadata
+    block_size: int
+    plans: dict[int | None, StepPlan] = field(default_factory=dict)
+
+    def plan(self, sliding_window: int | None) -> StepPlan:
+        """The step's plan for layers with this window, made on first use."""
+        if sliding_window not in self.plans:
+            self.plans[sliding_window] = _make_plan(self.common, self.block_size, sliding_window)
+        return self.plans[sliding_window]
+
+
+def _make_plan(common: CommonAttentionMetadata, bs: int, window: int | None) -> StepPlan:
+    device = common.block_table.device
+    qsl = common.query_start_loc_cpu.tolist()
+    seq_lens = common.seq_lens_cpu.tolist()
+    query_lens = [qsl[i + 1] - qsl[i] for i in range(common.num_reqs)]
+    decode_rows = [i for i, n in enumerate(query_lens) if n == 1]
+    prefills = []
+    for i, q_len in enumerate(query_lens):
+        if q_len == 1:
+            continue
+        seq_len = seq_lens[i]
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=device)
+        if seq_len == q_len:
+            mask = None
+            if window is not None and q_len > window:
+                mask = causal_mask(q_pos, q_pos, window)
+            prefills.append(PrefillChunk(qsl[i], qsl[i + 1], None, mask))
+            continue
+        first_key = 0 if window is None else max(0, seq_len - q_len - window + 1)
+        first_block, num_blocks = first_key // bs, -(-seq_len // bs)
+        k_pos = torch.arange(first_block * bs, seq_len, device=device)
+        prefills.append(
+            PrefillChunk(
+                qsl[i],
+                qsl[i + 1],
+                common.block_table[i, first_block:num_blocks].long(),
+                causal_mask(q_pos, k_pos, window),
+            )
+        )
+    decode = None
+    if decode_rows:
+        rows = torch.tensor(decode_rows, device=device)
+        lens = common.seq_lens[rows].long()
+        max_len = max(seq_lens[i] for i in decode_rows)
+        num_blocks = -(-max_len // bs)
+        block_ids = common.block_table[rows, :num_blocks].long()
+        block_pos = torch.arange(num_blocks, device=device)
+        valid_blocks = block_pos[None, :] * bs < lens[:, None]
+        block_ids = torch.where(valid_blocks, block_ids, block_ids[:, :1])
+        pos = torch.arange(num_blocks * bs, device=device)
+        mask = causal_mask(lens - 1, pos, window)[:, None, None, :]
+        decode = DecodeBatch(common.query_start_loc[rows].long(), block_ids, lens, max_len, mask)
+    return StepPlan(decode, prefills)
+
+
 class CpuSdpaMetadataBuilder(AttentionMetadataBuilder):
     def build(self, common: CommonAttentionMetadata) -> CpuSdpaMetadata:
-        bs = self.kv_cache_spec.block_size
-        qsl = common.query_start_loc_cpu.tolist()
-        seq_lens = common.seq_lens_cpu.tolist()
-        query_lens = [qsl[i + 1] - qsl[i] for i in range(common.num_reqs)]
-        decode_rows = [i for i, n in enumerate(query_lens) if n == 1]
-        prefills = []
-        for i, q_len in enumerate(query_lens):
-            if q_len == 1:
-                continue
-            seq_len = seq_lens[i]
-            if seq_len == q_len:
-                prefills.append(PrefillChunk(qsl[i], qsl[i + 1], None, None))
-                continue
-            num_blocks = -(-seq_len // bs)
-            q_pos = torch.arange(seq_len - q_len, seq_len, device=self.device)
-            k_pos = torch.arange(seq_len, device=self.device)
-            prefills.append(
-                PrefillChunk(
-                    qsl[i],
-                    qsl[i + 1],
-                    common.block_table[i, :num_blocks].long(),
-                    k_pos[None, :] <= q_pos[:, None],
-                )
-            )
-        decode = None
-        if decode_rows:
-            rows = torch.tensor(decode_rows, device=self.device)
-            lens = common.seq_lens[rows].long()
-            max_len = max(seq_lens[i] for i in decode_rows)
-            num_blocks = -(-max_len // bs)
-            block_ids = common.block_table[rows, :num_blocks].long()
-            block_pos = torch.arange(num_blocks, device=self.device)
-            valid_blocks = block_pos[None, :] * bs < lens[:, None]
-            block_ids = torch.where(valid_blocks, block_ids, block_ids[:, :1])
-            pos = torch.arange(num_blocks * bs, device=self.device)
-            mask = (pos[None, :] < lens[:, None])[:, None, None, :]
-            decode = DecodeBatch(
-                common.query_start_loc[rows].long(), block_ids, lens, max_len, mask
-            )
-        return CpuSdpaMetadata(common.slot_mapping, common.num_actual_tokens, decode, prefills)
+        return CpuSdpaMetadata(
+            common.slot_mapping, common.num_actual_tokens, common, self.kv_cache_spec.block_size
+        )
 
 
 class CpuSdpaImpl(AttentionImpl):
@@ -124,14 +152,21 @@ class CpuSdpaImpl(AttentionImpl):
         flat_k.index_copy_(0, attn_metadata.slot_mapping, key[:n].to(flat_k.dtype))
         flat_v.index_copy_(0, attn_metadata.slot_mapping, value[:n].to(flat_v.dtype))
         gqa = self.num_heads != self.num_kv_heads
+        plan = attn_metadata.plan(self.sliding_window)
 
-        for chunk in attn_metadata.prefills:
+        for chunk in plan.prefills:
             s, e = chunk.token_start, chunk.token_end
             q = query[s:e].transpose(0, 1)[None]
             if chunk.block_ids is None:
                 k, v = key[s:e].transpose(0, 1)[None], value[s:e].transpose(0, 1)[None]
                 out = F.scaled_dot_product_attention(
-                    q, k, v, is_causal=True, scale=self.scale, enable_gqa=gqa
+                    q,
+                    k,
+                    v,
+                    attn_mask=chunk.mask,
+                    is_causal=chunk.mask is None,
+                    scale=self.scale,
+                    enable_gqa=gqa,
                 )
             else:
                 k = self._gather(key_cache, chunk.block_ids)[None]
@@ -142,7 +177,7 @@ class CpuSdpaImpl(AttentionImpl):
                 )
             output[s:e] = out[0].transpose(0, 1)
 
-        decode = attn_metadata.decode
+        decode = plan.decode
         if decode is not None and self.head_size % 8 == 0 and cpu_ops.supports(query, kv_cache):
             cpu_ops.paged_decode_attention(
                 query,
@@ -154,6 +189,7 @@ class CpuSdpaImpl(AttentionImpl):
                 decode.seq_lens,
                 decode.max_len,
                 self.scale,
+                self.sliding_window,
             )
         elif decode is not None:
             group = self.num_heads // self.num_kv_heads
@@ -175,6 +211,8 @@ class CpuSdpaImpl(AttentionImpl):
 
 
 class CpuSdpaBackend(AttentionBackend):
+    supports_sliding_window = True
+
     @staticmethod
     def get_name() -> str:
         return "cpu_sdpa"

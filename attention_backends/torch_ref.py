@@ -5,7 +5,8 @@ New K/V are scattered into the cache by slot mapping; every request then attends
 context gathered back through its block table. Single-token (decode) requests are batched into
 one padded SDPA call (padding re-reads the request's own first slot, which is always written,
 so an uninitialised cache is never read); multi-token chunks run one SDPA call each with a causal mask offset by the
-cached prefix.
+cached prefix. A layer with a sliding window masks out keys that fell out of it (the whole context
+is still gathered: this backend is the reference, not the fast path).
 """
 
 from __future__ import annotations
@@ -23,14 +24,26 @@ from tokenmill.interfaces.attention import (
 )
 
 
+def causal_mask(
+    q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int | None
+) -> torch.Tensor:
+    """[len(q_pos), len(k_pos)] bool, True where the query at position ``q`` attends the key at
+    position ``k``: ``k <= q``, and with a window also ``q - k < sliding_window`` (HF's)."""
+    distance = q_pos[:, None] - k_pos[None, :]
+    mask = distance >= 0
+    if sliding_window is not None:
+        mask &= distance < sliding_window
+    return mask
+
+
 @dataclass
 class ChunkInfo:
-    """One multi-token request: its query rows, context slots and causal mask."""
+    """One multi-token request: its query rows and positions and its context slots."""
 
     token_start: int
     token_end: int
     slots: torch.Tensor  # [seq_len] flat cache slots of positions 0..seq_len-1
-    mask: torch.Tensor  # [query_len, seq_len] bool, True = attend
+    q_pos: torch.Tensor  # [query_len] positions of the query tokens
 
 
 @dataclass
@@ -39,7 +52,7 @@ class TorchRefMetadata:
     num_actual_tokens: int
     decode_token_idx: torch.Tensor | None  # [num_decodes] rows of single-token requests
     decode_slots: torch.Tensor | None  # [num_decodes, max_len]
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_len] bool
+    decode_pos: torch.Tensor | None  # [num_decodes] position of each decode token
     chunks: list[ChunkInfo]
 
 
@@ -61,17 +74,15 @@ class TorchRefMetadataBuilder(AttentionMetadataBuilder):
                 decodes.append(i)
                 continue
             seq_len = seq_lens[i]
-            q_pos = torch.arange(seq_len - (end - start), seq_len, device=self.device)
-            k_pos = torch.arange(seq_len, device=self.device)
             chunks.append(
                 ChunkInfo(
                     start,
                     end,
                     _context_slots(common.block_table[i], seq_len, bs),
-                    k_pos[None, :] <= q_pos[:, None],
+                    torch.arange(seq_len - (end - start), seq_len, device=self.device),
                 )
             )
-        decode_token_idx = decode_slots = decode_mask = None
+        decode_token_idx = decode_slots = decode_pos = None
         if decodes:
             rows = torch.tensor(decodes, device=self.device)
             lens = common.seq_lens[rows].long()
@@ -81,14 +92,14 @@ class TorchRefMetadataBuilder(AttentionMetadataBuilder):
             decode_slots = blocks * bs + pos % bs
             valid = pos[None, :] < lens[:, None]
             decode_slots = torch.where(valid, decode_slots, decode_slots[:, :1])
-            decode_mask = valid[:, None, None, :]
+            decode_pos = lens - 1
             decode_token_idx = common.query_start_loc[rows].long()
         return TorchRefMetadata(
             common.slot_mapping,
             common.num_actual_tokens,
             decode_token_idx,
             decode_slots,
-            decode_mask,
+            decode_pos,
             chunks,
         )
 
@@ -117,8 +128,10 @@ class TorchRefImpl(AttentionImpl):
             q = query[rows].unsqueeze(2)  # [B, H, 1, D]
             k = key_cache[attn_metadata.decode_slots].transpose(1, 2).to(query.dtype)
             v = value_cache[attn_metadata.decode_slots].transpose(1, 2).to(query.dtype)
+            k_pos = torch.arange(k.shape[2], device=query.device)
+            mask = causal_mask(attn_metadata.decode_pos, k_pos, self.sliding_window)
             out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=attn_metadata.decode_mask, scale=self.scale, enable_gqa=gqa
+                q, k, v, attn_mask=mask[:, None, None, :], scale=self.scale, enable_gqa=gqa
             )
             output[rows] = out.squeeze(2)
 
@@ -126,14 +139,18 @@ class TorchRefImpl(AttentionImpl):
             q = query[chunk.token_start : chunk.token_end].transpose(0, 1)  # [H, Q, D]
             k = key_cache[chunk.slots].transpose(0, 1).to(query.dtype)  # [KVH, S, D]
             v = value_cache[chunk.slots].transpose(0, 1).to(query.dtype)
+            k_pos = torch.arange(k.shape[1], device=query.device)
+            mask = causal_mask(chunk.q_pos, k_pos, self.sliding_window)
             out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=chunk.mask, scale=self.scale, enable_gqa=gqa
+                q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=gqa
             )
             output[chunk.token_start : chunk.token_end] = out.transpose(0, 1)
         return output
 
 
 class TorchRefBackend(AttentionBackend):
+    supports_sliding_window = True
+
     @staticmethod
     def get_name() -> str:
         return "torch"

@@ -67,6 +67,7 @@ class LlamaAttention(nn.Module):
         qkv_bias: bool = False,
         o_proj_bias: bool = False,
         prefix: str = "",
+        sliding_window: int | None = None,
     ) -> None:
         super().__init__()
         tp_size = get_tensor_model_parallel_world_size()
@@ -107,6 +108,7 @@ class LlamaAttention(nn.Module):
             self.head_dim**-0.5,
             self.num_kv_heads,
             prefix=f"{prefix}.attn",
+            sliding_window=sliding_window,
         )
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -126,11 +128,21 @@ class LlamaDecoderLayer(nn.Module):
         bias = bool(getattr(config, "attention_bias", False))
         return bias, bias
 
-    def __init__(self, config: Any, prefix: str = "") -> None:
+    @staticmethod
+    def sliding_window(config: Any, layer_idx: int) -> int | None:
+        """The window of layer ``layer_idx``'s attention, None for full attention: Mistral's
+        ``sliding_window`` applies to every layer, as in HF (Llama configs have none)."""
+        return getattr(config, "sliding_window", None)
+
+    def __init__(self, config: Any, prefix: str = "", *, layer_idx: int) -> None:
         super().__init__()
         qkv_bias, o_proj_bias = self.attention_biases(config)
         self.self_attn = LlamaAttention(
-            config, qkv_bias, o_proj_bias, prefix=f"{prefix}.self_attn"
+            config,
+            qkv_bias,
+            o_proj_bias,
+            prefix=f"{prefix}.self_attn",
+            sliding_window=self.sliding_window(config, layer_idx),
         )
         self.mlp = LlamaMLP(
             config.hidden_size,
@@ -173,7 +185,7 @@ class LlamaModel(nn.Module):
             config.vocab_size, config.hidden_size, prefix=maybe_prefix(prefix, "embed_tokens")
         )
         self.layers = nn.ModuleList(
-            layer_type(config, prefix=maybe_prefix(prefix, f"layers.{i}"))
+            layer_type(config, prefix=maybe_prefix(prefix, f"layers.{i}"), layer_idx=i)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -264,9 +276,5 @@ class LlamaForCausalLM(nn.Module):
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    """Mistral: the Llama architecture plus sliding-window attention.
-
-    Attention here is full causal attention, which equals sliding-window attention only while
-    sequences fit in the window: it is exact when ``config.sliding_window`` is None or at least
-    the engine's ``max_model_len``, and the engine caps ``max_model_len`` accordingly.
-    """
+    """Mistral: the Llama architecture plus sliding-window attention in every layer when
+    ``config.sliding_window`` is set."""

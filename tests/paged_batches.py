@@ -118,7 +118,10 @@ def usable_backend(
 
 
 def run_backend(
-    backend: type[AttentionBackend], batch: PagedBatch, scale: float | None = None
+    backend: type[AttentionBackend],
+    batch: PagedBatch,
+    scale: float | None = None,
+    sliding_window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One layer's forward on ``batch``: (output [T, heads, head_size], cache in the reference
     layout after the K/V write)."""
@@ -127,7 +130,9 @@ def run_backend(
     scale = head_size**-0.5 if scale is None else scale
     spec = FullAttentionSpec(batch.block_size, batch.kv_cache.dtype, num_kv_heads, head_size)
     builder = backend.get_metadata_builder_cls()(spec, batch.query.device)
-    impl = backend.get_impl_cls()(num_heads, head_size, scale, num_kv_heads)
+    impl = backend.get_impl_cls()(
+        num_heads, head_size, scale, num_kv_heads, sliding_window=sliding_window
+    )
     cache = to_backend_layout(backend, batch.kv_cache)
     out = impl.forward(batch.query, batch.key, batch.value, cache, builder.build(batch.common))
     return out, from_backend_layout(cache, batch.kv_cache.shape)

@@ -21,6 +21,9 @@ class AttentionConfig:
     block_size: int = 16
     use_mla: bool = False
     device_type: str = "cpu"
+    sliding_window: int | None = None
+    """Set when some layer attends only to the last ``sliding_window`` positions (itself
+    included), as HF's Mistral and Qwen2 do."""
 
 
 @dataclass
@@ -46,7 +49,12 @@ class CommonAttentionMetadata:
 
 
 class AttentionImpl(ABC):
-    """One attention layer's kernel: writes new K/V into the paged cache and attends."""
+    """One attention layer's kernel: writes new K/V into the paged cache and attends.
+
+    With a ``sliding_window``, the query at position ``i`` attends to the keys at positions
+    ``j`` with ``i - sliding_window < j <= i``; without one, to all ``j <= i``. Only backends
+    whose ``supports_sliding_window`` is set are given one.
+    """
 
     def __init__(
         self,
@@ -54,12 +62,14 @@ class AttentionImpl(ABC):
         head_size: int,
         scale: float,
         num_kv_heads: int,
+        sliding_window: int | None = None,
         **extra: Any,
     ) -> None:
         self.num_heads = num_heads
         self.head_size = head_size
         self.scale = scale
         self.num_kv_heads = num_kv_heads
+        self.sliding_window = sliding_window
 
     @abstractmethod
     def forward(
@@ -90,6 +100,7 @@ class AttentionBackend(ABC):
     """A registered attention backend. All methods are static/class methods."""
 
     supported_kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("auto",)
+    supports_sliding_window: ClassVar[bool] = False
 
     @staticmethod
     @abstractmethod
@@ -117,8 +128,8 @@ class AttentionBackend(ABC):
 
     @classmethod
     def validate_configuration(cls, config: AttentionConfig) -> list[str]:
-        """Reasons this backend cannot serve ``config`` (empty: it can). The base checks MLA
-        and the KV-cache dtype; subclasses extend the list."""
+        """Reasons this backend cannot serve ``config`` (empty: it can). The base checks MLA,
+        the KV-cache dtype and sliding windows; subclasses extend the list."""
         reasons = []
         if config.use_mla and not cls.is_mla():
             reasons.append("MLA models need an MLA backend")
@@ -126,4 +137,8 @@ class AttentionBackend(ABC):
             reasons.append("serves MLA models only")
         if config.kv_cache_dtype not in cls.supported_kv_cache_dtypes:
             reasons.append(f"KV-cache dtype {config.kv_cache_dtype!r} is not supported")
+        if config.sliding_window is not None and not cls.supports_sliding_window:
+            reasons.append(
+                f"sliding-window attention (window {config.sliding_window}) is not supported"
+            )
         return reasons

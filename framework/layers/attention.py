@@ -16,7 +16,9 @@ class Attention(nn.Module):
     ``forward`` takes flat projections ``q`` [T, num_heads*head_size] and ``k``/``v``
     [T, num_kv_heads*head_size] for all scheduled tokens of all requests, writes K/V into this
     layer's cache and returns [T, num_heads*head_size]. ``prefix`` must be the layer's unique
-    module path: it names the layer's KV cache.
+    module path: it names the layer's KV cache. With ``sliding_window``, each query attends
+    only to the last ``sliding_window`` positions up to itself; a backend that cannot do that
+    is an error here, never full attention in its place.
     """
 
     def __init__(
@@ -26,6 +28,7 @@ class Attention(nn.Module):
         scale: float,
         num_kv_heads: int | None = None,
         prefix: str = "",
+        sliding_window: int | None = None,
     ) -> None:
         super().__init__()
         ctx = current_build_context()
@@ -38,7 +41,15 @@ class Attention(nn.Module):
             )
         self.layer_name = prefix
         self.backend = ctx.attn_backend
-        self.impl = self.backend.get_impl_cls()(num_heads, head_size, scale, self.num_kv_heads)
+        self.sliding_window = sliding_window
+        if sliding_window is not None and not self.backend.supports_sliding_window:
+            raise ValueError(
+                f"{prefix}: attention backend {self.backend.get_name()!r} does not support "
+                f"sliding-window attention (window {sliding_window})"
+            )
+        self.impl = self.backend.get_impl_cls()(
+            num_heads, head_size, scale, self.num_kv_heads, sliding_window=sliding_window
+        )
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         ctx = get_forward_context()

@@ -28,7 +28,7 @@ SOURCES = ("attention.c", "norm.c", "activation.c", "rotary.c")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 _I64, _F32, _PTR, _INT = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int
 SIGNATURES = {
-    "paged_decode_attention": [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _F32, _I64, _INT],
+    "paged_decode_attention": [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _F32, _I64, _I64, _INT],
     "rms_norm": [_PTR, _PTR, _PTR, _I64, _I64, _F32, _INT],
     "fused_add_rms_norm": [_PTR, _PTR, _PTR, _I64, _I64, _F32, _INT],
     "silu_and_mul": [_PTR, _PTR, _I64, _I64, _INT],
@@ -114,9 +114,10 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,
     max_len: int,
     scale: float,
+    sliding_window: int | None = None,
 ) -> None:
-    """Attention of one query token per request over its paged context, written into
-    ``output[rows]``.
+    """Attention of one query token per request over its paged context (with a sliding window,
+    its last ``sliding_window`` positions), written into ``output[rows]``.
 
     ``query`` [T, H, D] (rows may be strided, D a multiple of 8) and ``output`` [T, H, D]
     contiguous; ``rows`` [B], the token row of each request; caches
@@ -131,7 +132,7 @@ def paged_decode_attention(
         query.data_ptr(), query.stride(0), rows.data_ptr(), key_cache.data_ptr(),
         value_cache.data_ptr(), block_table.data_ptr(), block_table.stride(0),
         seq_lens.data_ptr(), output.data_ptr(), rows.shape[0], h, kvh, d, bs, scale, max_len,
-        torch.get_num_threads(),
+        sliding_window or 0, torch.get_num_threads(),
     )
 
 

@@ -61,6 +61,7 @@ class ModelRunner:
             kv_cache_dtype=config.kv_cache_dtype,
             block_size=config.block_size,
             device_type=config.platform_cls.device_type,
+            sliding_window=_sliding_window(config.hf_config),
         )
         self.attn_backend: type[AttentionBackend] = select_attention_backend(
             config.platform_cls, attn_config, config.attention_backend
@@ -276,6 +277,18 @@ class ModelRunner:
 def _head_size(hf_config) -> int:
     head_dim = getattr(hf_config, "head_dim", None)
     return head_dim or hf_config.hidden_size // hf_config.num_attention_heads
+
+
+def _sliding_window(hf_config) -> int | None:
+    """The window of the model's sliding-window layers, if it has any, as transformers' Mistral
+    and Qwen2 configs declare them (``use_sliding_window`` and ``layer_types`` can turn
+    ``sliding_window`` off)."""
+    if not getattr(hf_config, "use_sliding_window", True):
+        return None
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        return None
+    return getattr(hf_config, "sliding_window", None)
 
 
 def _min_tokens_suppress(params: SamplingParams, eos_token_id: int | None) -> list[int]:

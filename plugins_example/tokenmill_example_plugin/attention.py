@@ -131,4 +131,6 @@ class HeadMajorBackend(AttentionBackend):
             reasons.append("MLA models need an MLA backend")
         if config.kv_cache_dtype != "auto":
             reasons.append(f"KV-cache dtype {config.kv_cache_dtype!r} is not supported")
+        if config.sliding_window is not None:
+            reasons.append("sliding-window attention is not implemented")
         return reasons

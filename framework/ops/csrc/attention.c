@@ -9,15 +9,18 @@ static inline void prefetch(const float *p, int64_t n) {
 
 /* Request b's query is row rows[b] of q (rows q_stride floats apart, heads D apart) and its
    output row rows[b] of out [T, H, D]. key_cache, value_cache: [num_blocks, bs, kvh, D];
-   block_table: [B, table_stride]; seq_lens: [B]. D is a multiple of 8. One work item per request, in three
-   passes: scores (four tokens at a time per head), softmax, then the weighted sum of values
-   (32 output features at a time held in registers across a block's tokens). The next block is
-   prefetched while one is read: blocks are scattered, so the hardware prefetcher cannot. */
+   block_table: [B, table_stride]; seq_lens: [B]. D is a multiple of 8. With window > 0 a
+   request of length L attends only to positions L - window .. L - 1: blocks before that are
+   skipped and the window's first block's earlier tokens get zero weight. One work item per
+   request, in three passes: scores (four tokens at a time per head), softmax, then the weighted
+   sum of values (32 output features at a time held in registers across a block's tokens).
+   Scores are indexed from the first block read. The next block is prefetched while one is read:
+   blocks are scattered, so the hardware prefetcher cannot. */
 void paged_decode_attention(
     const float *q, int64_t q_stride, const int64_t *rows, const float *key_cache, const float *value_cache,
     const int64_t *block_table, int64_t table_stride, const int64_t *seq_lens,
     float *out, int64_t B, int64_t H, int64_t kvh, int64_t D, int64_t bs,
-    float scale, int64_t max_len, int nthreads)
+    float scale, int64_t max_len, int64_t window, int nthreads)
 {
     const int64_t G = H / kvh, row = kvh * D, block = bs * row;
     const int64_t stride = (max_len + 7) / 8 * 8;
@@ -26,18 +29,20 @@ void paged_decode_attention(
         float *scores = malloc(sizeof(float) * H * stride);
         #pragma omp for schedule(dynamic, 1)
         for (int64_t b = 0; b < B; ++b) {
-            const int64_t L = seq_lens[b], Lp = (L + 7) / 8 * 8, nblk = (L + bs - 1) / bs;
+            const int64_t L = seq_lens[b], nblk = (L + bs - 1) / bs;
+            const int64_t first = window > 0 && L > window ? L - window : 0;
+            const int64_t j0 = first / bs, base = j0 * bs, Lp = (L - base + 7) / 8 * 8;
             const float *qb = q + rows[b] * q_stride;
             const int64_t *bt = block_table + b * table_stride;
             float *acc = out + rows[b] * H * D;
 
-            for (int64_t j = 0; j < nblk; ++j) {
+            for (int64_t j = j0; j < nblk; ++j) {
                 const int64_t t0 = j * bs, n = L - t0 < bs ? L - t0 : bs;
                 const float *kb = key_cache + bt[j] * block;
                 if (j + 1 < nblk) prefetch(key_cache + bt[j + 1] * block, block);
                 for (int64_t h = 0; h < H; ++h) {
                     const float *qh = qb + h * D, *kh = kb + (h / G) * D;
-                    float *sh = scores + h * stride + t0;
+                    float *sh = scores + h * stride + t0 - base;
                     int64_t i = 0;
                     for (; i + 4 <= n; i += 4) {
                         const float *k = kh + i * row;
@@ -59,10 +64,11 @@ void paged_decode_attention(
                 }
             }
 
-            prefetch(value_cache + bt[0] * block, block);
+            prefetch(value_cache + bt[j0] * block, block);
             for (int64_t h = 0; h < H; ++h) {
                 float *sh = scores + h * stride;
-                for (int64_t t = L; t < Lp; ++t) sh[t] = -INFINITY;
+                for (int64_t t = 0; t < first - base; ++t) sh[t] = -INFINITY;
+                for (int64_t t = L - base; t < Lp; ++t) sh[t] = -INFINITY;
                 v8 mv = splat(-INFINITY);
                 for (int64_t t = 0; t < Lp; t += 8) mv = vmax(mv, loadv(sh + t));
                 float m = mv[0];
@@ -78,12 +84,12 @@ void paged_decode_attention(
             }
 
             memset(acc, 0, sizeof(float) * H * D);
-            for (int64_t j = 0; j < nblk; ++j) {
+            for (int64_t j = j0; j < nblk; ++j) {
                 const int64_t t0 = j * bs, n = L - t0 < bs ? L - t0 : bs;
                 const float *vb = value_cache + bt[j] * block;
                 if (j + 1 < nblk) prefetch(value_cache + bt[j + 1] * block, block);
                 for (int64_t h = 0; h < H; ++h) {
-                    const float *vh = vb + (h / G) * D, *p = scores + h * stride + t0;
+                    const float *vh = vb + (h / G) * D, *p = scores + h * stride + t0 - base;
                     float *a = acc + h * D;
                     int64_t d = 0;
                     for (; d + 32 <= D; d += 32) {
