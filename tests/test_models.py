@@ -160,6 +160,7 @@ def _tp_worker(rank: int, port: int, jobs: list[tuple[str, torch.Tensor, str]]) 
             logits = run_engine_forward(model, token_ids, [17, 1, 2])
             if rank == 0:
                 torch.save(logits, out)
+        dist.barrier()  # neither rank tears gloo down while the other still uses it
     finally:
         dist.destroy_process_group()
 
