@@ -28,7 +28,7 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(config.tokenizer or config.model_path)
         self.engine_core = EngineCore(config)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.block_hasher = make_block_hasher(config.block_size)
+        self.block_hasher = make_block_hasher(config.block_size, config.prefix_caching_hash_algo)
         self.eos_token_id = _eos_token_id(self.tokenizer, config.hf_config)
         self.vocab_size = config.hf_config.vocab_size
         self._ids = itertools.count()
