@@ -43,12 +43,14 @@ class LLMEngine:
     def tokenize_prompt(
         self, prompt: PromptType, tokenizer: PreTrainedTokenizerBase | None = None
     ) -> tuple[str | None, list[int]]:
-        """Return the prompt text (if any) and its token ids, or raise ``ValueError``.
+        """Return the prompt text (if any) and its token ids, or raise ``ValueError`` (also for
+        an invalid ``cache_salt``).
 
         ``tokenizer``: an instance to use instead of the engine's own, for callers on
         another thread than the one stepping the engine."""
         tokenizer = tokenizer or self.tokenizer
         if isinstance(prompt, dict):
+            prompt_cache_salt(prompt)
             if "prompt_token_ids" in prompt:
                 ids = prompt["prompt_token_ids"]
                 if not isinstance(ids, (list, tuple)) or not all(
@@ -103,6 +105,7 @@ class LLMEngine:
         if request_id in self.output_processor.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = self.tokenize_prompt(prompt)
+        cache_salt = prompt_cache_salt(prompt)
         arrival_time = arrival_time or time.monotonic()
         child_ids = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
         self.output_processor.add_request(
@@ -123,6 +126,7 @@ class LLMEngine:
                     max_tokens,
                     arrival_time=arrival_time,
                     priority=priority,
+                    cache_salt=cache_salt,
                     block_hasher=self.block_hasher,
                 )
             )
@@ -165,6 +169,17 @@ class LLMEngine:
             "num_prompt_tokens": out.num_prompt_tokens,
             **self.engine_core.get_stats(),
         }
+
+
+def prompt_cache_salt(prompt: PromptType) -> str | None:
+    """The ``cache_salt`` of a prompt dict (None when absent): requests share prefix-cache
+    blocks only when their salts are equal. Raises ``ValueError`` unless a non-empty str."""
+    if not isinstance(prompt, dict):
+        return None
+    salt = prompt.get("cache_salt")
+    if salt is not None and not (isinstance(salt, str) and salt):
+        raise ValueError(f"cache_salt must be a non-empty string, got {salt!r}")
+    return salt
 
 
 def load_tokenizer(path: str):
