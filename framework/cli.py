@@ -6,6 +6,8 @@ import argparse
 import importlib
 import sys
 
+from tokenmill.core.kv_cache_utils import HASH_ALGOS
+
 SUBCOMMAND_MODULES = ("tokenmill.benchmarks", "tokenmill.entrypoints.serve")
 """Modules adding their own subcommands via ``register_subcommand(subparsers)``; each keeps
 its heavy imports inside the command so ``tokenmill --help`` stays fast."""
@@ -23,6 +25,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--num-kv-blocks", type=int, default=None)
     g.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    g.add_argument(
+        "--prefix-caching-hash-algo",
+        choices=HASH_ALGOS,
+        default="sha256",
+        help="block hash: sha256 (collision-resistant) or builtin (faster, single tenant only)",
+    )
     g.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
     g.add_argument("--attention-backend", default=None)
     g.add_argument("--platform", default=None)
@@ -36,9 +44,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 ENGINE_ARG_NAMES = (
     "model", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
-    "num_kv_blocks", "kv_cache_memory_bytes", "enable_prefix_caching", "enable_chunked_prefill",
-    "attention_backend", "platform", "quantization", "kv_cache_dtype", "tensor_parallel_size", "seed",
-    "gpu_memory_utilization", "enforce_eager",
+    "num_kv_blocks", "kv_cache_memory_bytes", "enable_prefix_caching", "prefix_caching_hash_algo",
+    "enable_chunked_prefill", "attention_backend", "platform", "quantization", "kv_cache_dtype",
+    "tensor_parallel_size", "seed", "gpu_memory_utilization", "enforce_eager",
 )
 
 

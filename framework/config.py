@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from tokenmill.core.kv_cache_utils import PrefixCachingHashAlgo, check_hash_algo
 from tokenmill.interfaces.platform import Platform
 
 DTYPES = {
@@ -45,6 +46,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     kv_cache_memory_bytes: int | None = None
     enable_prefix_caching: bool = True
+    prefix_caching_hash_algo: PrefixCachingHashAlgo = "sha256"
     enable_chunked_prefill: bool = True
     attention_backend: str | None = None
     platform: str | None = None
@@ -97,6 +99,7 @@ class EngineConfig:
             )
         if self.long_prefill_token_threshold < 0:
             raise ValueError("long_prefill_token_threshold must be >= 0")
+        check_hash_algo(self.prefix_caching_hash_algo)
         self._refuse_missing_features()
 
     def _refuse_missing_features(self) -> None:

@@ -323,6 +323,8 @@ def test_32_concurrent_requests(server):
         ({"prompt": [10**9]}, "prompt"),
         ({"prompt": [100] * 6000}, "prompt"),
         ({"prompt": "hi", "max_tokens": 100000}, "max_tokens"),
+        ({"prompt": "hi", "cache_salt": ""}, "cache_salt"),
+        ({"prompt": "hi", "cache_salt": 5}, "cache_salt"),
     ],
 )
 def test_completion_errors(server, body, param):
@@ -337,10 +339,40 @@ def test_completion_errors(server, body, param):
         ({"messages": "hello"}, "messages"),
         ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
         ({"messages": [{"role": "user", "content": "x"}], "min_p": 2.0}, "min_p"),
+        ({"messages": [{"role": "user", "content": "x"}], "cache_salt": ""}, "cache_salt"),
     ],
 )
 def test_chat_errors(server, body, param):
     assert_openai_error(server.post("/v1/chat/completions", body), 400, param)
+
+
+def test_cache_salt_isolates_tenants(client):
+    """Same prompt, other salt: no prefix-cache hit (``usage.prompt_tokens_details``)."""
+    prompt = "Tenants of one server must never read each other's cached prefixes. " * 3
+
+    def completion_cached(salt: str) -> int:
+        out = client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=2, extra_body={"cache_salt": salt}
+        )
+        return out.usage.prompt_tokens_details.cached_tokens
+
+    assert [completion_cached(s) for s in ("tenant-a", "tenant-b")] == [0, 0]
+    assert completion_cached("tenant-a") > 0 and completion_cached("tenant-b") > 0
+
+    messages = [{"role": "user", "content": prompt}]
+
+    def chat_cached(salt: str, **kwargs) -> int:
+        out = client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=2, extra_body={"cache_salt": salt}, **kwargs
+        )
+        if kwargs.get("stream"):
+            out = list(out)[-1]
+        return out.usage.prompt_tokens_details.cached_tokens
+
+    assert chat_cached("tenant-a") == 0
+    stream = {"stream": True, "stream_options": {"include_usage": True}}
+    assert chat_cached("tenant-a", **stream) > 0
+    assert chat_cached("tenant-c", **stream) == 0
 
 
 def test_client_errors(client):

@@ -12,7 +12,7 @@ class KVCacheBlock:
 
     block_id: int
     ref_cnt: int = 0
-    block_hash: int | None = None
+    block_hash: bytes | None = None
     prev_free: KVCacheBlock | None = None
     next_free: KVCacheBlock | None = None
 
@@ -62,12 +62,12 @@ class BlockPool:
         self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeKVCacheBlockQueue(self.blocks)
-        self.cached: dict[int, KVCacheBlock] = {}
+        self.cached: dict[bytes, KVCacheBlock] = {}
 
     def get_num_free_blocks(self) -> int:
         return self.free_queue.num_free_blocks
 
-    def get_cached_block(self, block_hash: int) -> KVCacheBlock | None:
+    def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
         return self.cached.get(block_hash)
 
     def get_new_blocks(self, n: int) -> list[KVCacheBlock]:
@@ -96,7 +96,7 @@ class BlockPool:
                 self.free_queue.remove(block)
             block.ref_cnt += 1
 
-    def cache_full_blocks(self, blocks: list[KVCacheBlock], block_hashes: list[int], start: int, end: int) -> None:
+    def cache_full_blocks(self, blocks: list[KVCacheBlock], block_hashes: list[bytes], start: int, end: int) -> None:
         """Index blocks ``start..end-1`` (now full) under their hashes."""
         for i in range(start, end):
             block = blocks[i]

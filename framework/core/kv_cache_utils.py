@@ -1,41 +1,124 @@
 """Prefix-cache block hashes: each full block's hash chains its parent's hash, its tokens and
-any extra keys (cache salt, later LoRA), so equal hashes mean equal prefixes."""
+any extra keys (cache salt, later LoRA or multimodal inputs), so equal hashes mean equal
+prefixes.
+
+Two algorithms (``EngineConfig.prefix_caching_hash_algo``):
+
+* ``"sha256"`` (the default): SHA-256 over an unambiguous byte encoding. Crafting two prefixes
+  with one hash is infeasible, so a shared server never hands one client's KV blocks to another
+  (the class of bug of vLLM's CVE-2025-25183), and digests are the same in every process.
+* ``"builtin"``: Python's ``hash()`` of a tuple. Faster, but collisions are easy to construct
+  and it varies between processes; only for a single trusted client.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+import hashlib
+import struct
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Literal, get_args
 
 if TYPE_CHECKING:
     from tokenmill.core.request import Request
 
-NONE_HASH = hash("tokenmill-root")
+BlockHash = bytes
+ExtraKeys = tuple[tuple[str, str], ...]
+"""``(kind, value)`` pairs a block's reuse also depends on, e.g. ``(("cache_salt", "a"),)``."""
+HashFunction = Callable[[BlockHash | None, Sequence[int], ExtraKeys | None], BlockHash]
+PrefixCachingHashAlgo = Literal["sha256", "builtin"]
+HASH_ALGOS: tuple[str, ...] = get_args(PrefixCachingHashAlgo)
+
+NONE_HASH: BlockHash = hashlib.sha256(b"tokenmill-root").digest()
+"""The parent of every request's first block."""
+
+_U32 = struct.Struct("<I")
+
+
+def _encode_extra_keys(extra_keys: ExtraKeys | None) -> bytes:
+    if not extra_keys:
+        return b""
+    parts = []
+    for kind, value in extra_keys:
+        for text in (kind, value):
+            data = text.encode()
+            parts += (_U32.pack(len(data)), data)
+    return b"".join(parts)
+
+
+def sha256_block_hash(
+    parent_hash: BlockHash | None, token_ids: Sequence[int], extra_keys: ExtraKeys | None = None
+) -> BlockHash:
+    """SHA-256 of parent digest, token count, tokens (little-endian uint32) and extra keys,
+    each part fixed-width or length-prefixed."""
+    n = len(token_ids)
+    data = b"".join(
+        (
+            NONE_HASH if parent_hash is None else parent_hash,
+            _U32.pack(n),
+            struct.pack(f"<{n}I", *token_ids),
+            _encode_extra_keys(extra_keys),
+        )
+    )
+    return hashlib.sha256(data).digest()
+
+
+def builtin_block_hash(
+    parent_hash: BlockHash | None, token_ids: Sequence[int], extra_keys: ExtraKeys | None = None
+) -> BlockHash:
+    """Python's ``hash()`` of the same parts, as 8 bytes: fast, but not collision-resistant."""
+    parent = NONE_HASH if parent_hash is None else parent_hash
+    return hash((parent, tuple(token_ids), extra_keys)).to_bytes(8, "little", signed=True)
+
+
+_HASH_FUNCTIONS: dict[str, HashFunction] = {
+    "sha256": sha256_block_hash,
+    "builtin": builtin_block_hash,
+}
+
+
+def check_hash_algo(algo: str) -> None:
+    """Raise ``ValueError`` unless ``algo`` names a block-hash algorithm."""
+    if algo not in _HASH_FUNCTIONS:
+        raise ValueError(
+            f"prefix_caching_hash_algo must be one of {', '.join(HASH_ALGOS)}, got {algo!r}"
+        )
+
+
+def get_hash_function(algo: str) -> HashFunction:
+    """The block-hash function of ``algo``; raises ``ValueError`` for an unknown name."""
+    check_hash_algo(algo)
+    return _HASH_FUNCTIONS[algo]
 
 
 def hash_block_tokens(
-    parent_hash: int | None, token_ids: tuple[int, ...], extra_keys: tuple | None = None
-) -> int:
-    """Hash of one full block; hashes are only compared within the scheduler process."""
-    return hash((NONE_HASH if parent_hash is None else parent_hash, token_ids, extra_keys))
+    parent_hash: BlockHash | None,
+    token_ids: Sequence[int],
+    extra_keys: ExtraKeys | None = None,
+    algo: str = "sha256",
+) -> BlockHash:
+    """Hash of one full block under ``algo``."""
+    return get_hash_function(algo)(parent_hash, token_ids, extra_keys)
 
 
-def request_extra_keys(request: Request, block_index: int) -> tuple | None:
-    """Keys besides the tokens that must match for a block to be shared."""
+def request_extra_keys(request: Request, block_index: int) -> ExtraKeys | None:
+    """Keys besides the tokens that must match for a block to be shared. The salt goes into
+    the first block only: every later hash chains it."""
     if block_index == 0 and request.cache_salt is not None:
-        return (request.cache_salt,)
+        return (("cache_salt", request.cache_salt),)
     return None
 
 
-def make_block_hasher(block_size: int) -> Callable[[Request], None]:
+def make_block_hasher(block_size: int, algo: str = "sha256") -> Callable[[Request], None]:
     """A callback that appends hashes for a request's newly filled blocks."""
+    hash_fn = get_hash_function(algo)
 
     def update(request: Request) -> None:
         hashes = request.block_hashes
         tokens = request.all_token_ids
         while (len(hashes) + 1) * block_size <= len(tokens):
             i = len(hashes)
-            block = tuple(tokens[i * block_size : (i + 1) * block_size])
+            block = tokens[i * block_size : (i + 1) * block_size]
             parent = hashes[-1] if hashes else None
-            hashes.append(hash_block_tokens(parent, block, request_extra_keys(request, i)))
+            hashes.append(hash_fn(parent, block, request_extra_keys(request, i)))
 
     return update

@@ -60,7 +60,7 @@ class Request:
     stop_reason: int | str | None = None
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(init=False)
-    block_hashes: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
     block_hasher: Callable[[Request], None] | None = None
 
     def __post_init__(self) -> None:

@@ -13,7 +13,7 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from tokenmill.engine.llm_engine import LLMEngine, PromptType, load_tokenizer
+from tokenmill.engine.llm_engine import LLMEngine, PromptType, load_tokenizer, prompt_cache_salt
 from tokenmill.engine.output_processor import RequestOutputKind
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
@@ -191,7 +191,11 @@ class AsyncLLM:
         self._commands.put(
             _Add(
                 request_id,
-                {"prompt": text, "prompt_token_ids": ids},
+                {
+                    "prompt": text,
+                    "prompt_token_ids": ids,
+                    "cache_salt": prompt_cache_salt(prompt),
+                },
                 params,
                 output_kind,
                 time.monotonic(),

@@ -29,7 +29,7 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(config.tokenizer or config.model_path)
         self.engine_core = EngineCore(config)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.block_hasher = make_block_hasher(config.block_size)
+        self.block_hasher = make_block_hasher(config.block_size, config.prefix_caching_hash_algo)
         self.eos_token_id = _eos_token_id(self.tokenizer, config.hf_config)
         self.generation_config = load_generation_config(config.model_path, config.hf_config)
         self.vocab_size = config.hf_config.vocab_size
@@ -45,12 +45,14 @@ class LLMEngine:
     def tokenize_prompt(
         self, prompt: PromptType, tokenizer: PreTrainedTokenizerBase | None = None
     ) -> tuple[str | None, list[int]]:
-        """Return the prompt text (if any) and its token ids, or raise ``ValueError``.
+        """Return the prompt text (if any) and its token ids, or raise ``ValueError`` (also for
+        an invalid ``cache_salt``).
 
         ``tokenizer``: an instance to use instead of the engine's own, for callers on
         another thread than the one stepping the engine."""
         tokenizer = tokenizer or self.tokenizer
         if isinstance(prompt, dict):
+            prompt_cache_salt(prompt)
             if "prompt_token_ids" in prompt:
                 ids = prompt["prompt_token_ids"]
                 if not isinstance(ids, (list, tuple)) or not all(
@@ -108,6 +110,7 @@ class LLMEngine:
         text, ids = self.tokenize_prompt(prompt)
         params = params.clone()
         params.update_from_generation_config(self.generation_config, self.eos_token_id)
+        cache_salt = prompt_cache_salt(prompt)
         arrival_time = arrival_time or time.monotonic()
         max_tokens = params.max_tokens or self.config.max_model_len - len(ids)
         children = [
@@ -119,6 +122,7 @@ class LLMEngine:
                 max_tokens,
                 arrival_time=arrival_time,
                 priority=priority,
+                cache_salt=cache_salt,
                 block_hasher=self.block_hasher,
             )
             for i, child_params in enumerate(_child_params(params))
@@ -167,6 +171,17 @@ class LLMEngine:
             "num_prompt_tokens": out.num_prompt_tokens,
             **self.engine_core.get_stats(),
         }
+
+
+def prompt_cache_salt(prompt: PromptType) -> str | None:
+    """The ``cache_salt`` of a prompt dict (None when absent): requests share prefix-cache
+    blocks only when their salts are equal. Raises ``ValueError`` unless a non-empty str."""
+    if not isinstance(prompt, dict):
+        return None
+    salt = prompt.get("cache_salt")
+    if salt is not None and not (isinstance(salt, str) and salt):
+        raise ValueError(f"cache_salt must be a non-empty string, got {salt!r}")
+    return salt
 
 
 def load_tokenizer(path: str):

@@ -8,7 +8,7 @@ from typing import Any
 from tqdm import tqdm
 
 from tokenmill.config import EngineConfig
-from tokenmill.engine.llm_engine import LLMEngine, PromptType
+from tokenmill.engine.llm_engine import LLMEngine, PromptType, prompt_cache_salt
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
@@ -35,6 +35,8 @@ class LLM:
         """Generate completions for every prompt; outputs come back in prompt order.
 
         ``priority`` (one per prompt, lower first) matters with ``scheduling_policy="priority"``.
+        A prompt dict may carry a ``cache_salt``: only prompts with equal salts share
+        prefix-cache blocks, which keeps tenants of one engine apart.
         Invalid prompts or parameters raise ``ValueError`` before anything runs."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
@@ -54,7 +56,13 @@ class LLM:
         tokenized = []
         for prompt in prompts:
             text, token_ids = engine.tokenize_prompt(prompt)
-            tokenized.append({"prompt": text, "prompt_token_ids": token_ids})
+            tokenized.append(
+                {
+                    "prompt": text,
+                    "prompt_token_ids": token_ids,
+                    "cache_salt": prompt_cache_salt(prompt),
+                }
+            )
         ids = []
         for prompt, params, prio in zip(tokenized, params_list, priorities):
             request_id = engine.next_request_id()

@@ -47,22 +47,30 @@ class StreamOptions(OpenAIModel):
     include_usage: bool | None = False
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+    """Prompt tokens whose KV came from the prefix cache."""
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> UsageInfo:
         return cls(
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
             total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
         )
 
 
 class SamplingFields(OpenAIModel):
-    """Sampling fields shared by both endpoints (vLLM's extensions included)."""
+    """Sampling fields shared by both endpoints (vLLM's extensions included), and
+    ``cache_salt``: only requests with equal salts share prefix-cache blocks."""
 
     model: str | None = None
     n: int = 1
@@ -83,6 +91,7 @@ class SamplingFields(OpenAIModel):
     presence_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    cache_salt: str | None = None
 
     def unsupported(self) -> dict[str, Any]:
         """Fields set to values this engine cannot honour: {field: value}."""

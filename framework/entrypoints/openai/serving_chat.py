@@ -39,7 +39,9 @@ class OpenAIServingChat(OpenAIServing):
         self.check_context(len(ids), max_tokens)
         params = self.sampling_params(request, max_tokens, self._num_logprobs(request))
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = await self.start([(None, ids)], params, request_id, bool(request.stream))
+        streams = await self.start(
+            [(None, ids)], params, request_id, bool(request.stream), request.cache_salt
+        )
         if request.stream:
             return self._stream(request, request_id, len(ids), streams[0])
         output = (await self.final_outputs(streams))[0]
@@ -57,7 +59,7 @@ class OpenAIServingChat(OpenAIServing):
                 )
                 for c in output.outputs
             ],
-            usage=UsageInfo.of(len(ids), num_generated),
+            usage=UsageInfo.of(len(ids), num_generated, output.num_cached_tokens),
         )
 
     def _apply_chat_template(self, request: ChatCompletionRequest) -> list[int]:
@@ -105,6 +107,7 @@ class OpenAIServingChat(OpenAIServing):
             return f"data: {body.model_dump_json()}\n\n"
 
         num_generated = 0
+        num_cached = 0
         try:
             yield chunk(
                 [
@@ -115,6 +118,7 @@ class OpenAIServingChat(OpenAIServing):
                 ]
             )
             async for output in stream:
+                num_cached = output.num_cached_tokens
                 for c in output.outputs:
                     num_generated += len(c.token_ids)
                     if not (c.text or c.finish_reason or c.logprobs):
@@ -131,10 +135,7 @@ class OpenAIServingChat(OpenAIServing):
                         ]
                     )
             if request.stream_options and request.stream_options.include_usage:
-                yield chunk(
-                    [],
-                    UsageInfo.of(num_prompt, num_generated),
-                )
+                yield chunk([], UsageInfo.of(num_prompt, num_generated, num_cached))
         except Exception as e:
             yield from_exception(e).to_sse()
         finally:

@@ -37,7 +37,9 @@ class OpenAIServingCompletion(OpenAIServing):
             self.check_context(len(ids), request.max_tokens)
         params = self.sampling_params(request, request.max_tokens, request.logprobs)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        streams = await self.start(prompts, params, request_id, bool(request.stream))
+        streams = await self.start(
+            prompts, params, request_id, bool(request.stream), request.cache_salt
+        )
         if request.stream:
             return self._stream(request, request_id, prompts, streams)
         outputs = await self.final_outputs(streams)
@@ -48,11 +50,12 @@ class OpenAIServingCompletion(OpenAIServing):
                 num_generated += len(c.token_ids)
                 choices.append(self._choice(request, i, c, prompts[i], 0, request.echo))
         num_prompt = sum(len(ids) for _, ids in prompts)
+        num_cached = sum(output.num_cached_tokens for output in outputs)
         return CompletionResponse(
             id=request_id,
             model=self.model_name,
             choices=choices,
-            usage=UsageInfo.of(num_prompt, num_generated),
+            usage=UsageInfo.of(num_prompt, num_generated, num_cached),
         )
 
     async def _stream(
@@ -72,8 +75,10 @@ class OpenAIServingCompletion(OpenAIServing):
 
         offsets = {}
         num_generated = 0
+        num_cached: dict[int, int] = {}
         try:
             async for i, output in merge_streams(streams):
+                num_cached[i] = output.num_cached_tokens
                 for c in output.outputs:
                     num_generated += len(c.token_ids)
                     index = i * request.n + c.index
@@ -87,10 +92,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     yield chunk([choice])
             if request.stream_options and request.stream_options.include_usage:
                 num_prompt = sum(len(ids) for _, ids in prompts)
-                yield chunk(
-                    [],
-                    UsageInfo.of(num_prompt, num_generated),
-                )
+                yield chunk([], UsageInfo.of(num_prompt, num_generated, sum(num_cached.values())))
         except Exception as e:
             yield from_exception(e).to_sse()
         finally:

@@ -30,7 +30,7 @@ SAMPLING_FIELDS = (
 )
 """Request fields passed to ``SamplingParams`` under the same name, when set."""
 
-PARAM_NAMES = SAMPLING_FIELDS + ("max_tokens", "logprobs", "prompt", "messages")
+PARAM_NAMES = SAMPLING_FIELDS + ("max_tokens", "logprobs", "prompt", "messages", "cache_salt")
 
 
 class OpenAIServing:
@@ -96,13 +96,14 @@ class OpenAIServing:
         params: SamplingParams,
         request_id: str,
         stream: bool,
+        cache_salt: str | None = None,
     ) -> list[RequestStream]:
         """Add one engine request per prompt; if one is refused, abort the others."""
         kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
         streams: list[RequestStream] = []
         try:
             for i, (text, ids) in enumerate(prompts):
-                prompt = {"prompt": text, "prompt_token_ids": ids}
+                prompt = {"prompt": text, "prompt_token_ids": ids, "cache_salt": cache_salt}
                 streams.append(
                     await self.engine.add_request(prompt, params, f"{request_id}-{i}", kind)
                 )
