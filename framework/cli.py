@@ -4,50 +4,89 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
+import json
 import sys
+import types
+import typing
+from dataclasses import Field, fields
+from typing import TYPE_CHECKING, Any
 
-from tokenmill.core.kv_cache_utils import HASH_ALGOS
+from tokenmill.engine_args import EngineArgs
+
+if TYPE_CHECKING:
+    from tokenmill.entrypoints.llm import LLM
+    from tokenmill.outputs import RequestOutput
+    from tokenmill.sampling_params import SamplingParams
 
 SUBCOMMAND_MODULES = ("tokenmill.benchmarks", "tokenmill.entrypoints.serve")
 """Modules adding their own subcommands via ``register_subcommand(subparsers)``; each keeps
 its heavy imports inside the command so ``tokenmill --help`` stays fast."""
 
+REPL_EXIT_WORDS = ("exit", "quit")
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends every option's default to its help (positional arguments have none)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if not action.option_strings:
+            return action.help
+        return super()._get_help_string(action)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """The parser of ``tokenmill`` and of all its subcommands (``add_subparsers`` makes
+    subparsers of the same class), so every ``--help`` shows the defaults."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+
+def _flag_type(hint: Any) -> tuple[type, tuple[Any, ...] | None] | None:
+    """The value type and choices of a flag for a field annotated ``hint``: a scalar, optional
+    or not, or a ``Literal``; None for anything else (no flag)."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if len(args) != 1:
+            return None
+        hint = args[0]
+    if typing.get_origin(hint) is typing.Literal:
+        choices = typing.get_args(hint)
+        return type(choices[0]), choices
+    return (hint, None) if hint in (str, int, float, bool) else None
+
+
+def _engine_flags() -> list[tuple[Field, type, tuple[Any, ...] | None]]:
+    hints = typing.get_type_hints(EngineArgs)
+    flags = []
+    for f in fields(EngineArgs):
+        flag_type = _flag_type(hints[f.name])
+        if flag_type is not None:
+            flags.append((f, *flag_type))
+    return flags
+
+
+ENGINE_FLAGS = _engine_flags()
+"""A flag for each ``EngineArgs`` field with a scalar type, with the field's default and help."""
+
+ENGINE_ARG_NAMES = tuple(f.name for f, _, _ in ENGINE_FLAGS)
+
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Engine arguments shared by every command that builds an engine (vLLM's names)."""
     g = parser.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="HF-format model dir (default: SmolLM2-135M-Instruct)")
-    g.add_argument("--dtype", default="auto")
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--max-num-seqs", type=int, default=256)
-    g.add_argument("--max-num-batched-tokens", type=int, default=None)
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--num-kv-blocks", type=int, default=None)
-    g.add_argument("--kv-cache-memory-bytes", type=int, default=None)
-    g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
-    g.add_argument(
-        "--prefix-caching-hash-algo",
-        choices=HASH_ALGOS,
-        default="sha256",
-        help="block hash: sha256 (collision-resistant) or builtin (faster, single tenant only)",
-    )
-    g.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
-    g.add_argument("--attention-backend", default=None)
-    g.add_argument("--platform", default=None)
-    g.add_argument("--quantization", default=None)
-    g.add_argument("--kv-cache-dtype", default="auto")
-    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--gpu-memory-utilization", type=float, default=None, help="GPUs only (default 0.9)")
-    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-
-
-ENGINE_ARG_NAMES = (
-    "model", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
-    "num_kv_blocks", "kv_cache_memory_bytes", "enable_prefix_caching", "prefix_caching_hash_algo",
-    "enable_chunked_prefill", "attention_backend", "platform", "quantization", "kv_cache_dtype",
-    "tensor_parallel_size", "seed", "gpu_memory_utilization", "enforce_eager",
-)
+    for f, flag_type, choices in ENGINE_FLAGS:
+        names = ["--" + f.name.replace("_", "-"), *f.metadata.get("flags", ())]
+        if flag_type is bool:
+            g.add_argument(
+                *names, action=argparse.BooleanOptionalAction, default=f.default, help=f.metadata["help"]
+            )
+        else:
+            g.add_argument(
+                *names, type=flag_type, choices=choices, default=f.default, help=f.metadata["help"]
+            )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -55,13 +94,27 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 
 
 def _sampling_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
+    g = parser.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate per answer")
+    g.add_argument("--temperature", type=float, default=0.0, help="softmax temperature; 0: greedy")
+    g.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        help="keep the most likely tokens whose probabilities sum to top-p; 1: off",
+    )
+    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0: off")
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object per line: the prompt (generate) or messages (chat), the "
+        "answer's text and finish_reason",
+    )
 
 
-def _params(args: argparse.Namespace):
+def _params(args: argparse.Namespace) -> SamplingParams:
+    """The sampling flags as ``SamplingParams``: invalid values raise ``ValueError`` here, before
+    any model loads."""
     from tokenmill.sampling_params import SamplingParams
 
     return SamplingParams(
@@ -69,26 +122,75 @@ def _params(args: argparse.Namespace):
     )
 
 
+def _print_answers(
+    inputs: list[tuple[str, dict[str, Any]]], outputs: list[RequestOutput], as_json: bool
+) -> None:
+    """Print each answer: alone for one input, after a ``=== i/n: input ===`` line for several,
+    or as a JSON line holding the input's ``record`` and the answer."""
+    for i, ((label, record), out) in enumerate(zip(inputs, outputs), 1):
+        answer = out.outputs[0]
+        if as_json:
+            line = {**record, "text": answer.text, "finish_reason": answer.finish_reason}
+            print(json.dumps(line, ensure_ascii=False), flush=True)
+            continue
+        if len(inputs) > 1:
+            print(f"=== {i}/{len(inputs)}: {label} ===")
+        print(answer.text, flush=True)
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
+    params = _params(args)
     from tokenmill.entrypoints.llm import LLM
 
     llm = LLM(**engine_kwargs(args))
-    outputs = llm.generate(args.prompt, _params(args), use_tqdm=False)
-    for out in outputs:
-        print(out.outputs[0].text)
+    outputs = llm.generate(args.prompt, params, use_tqdm=False)
+    _print_answers([(p, {"prompt": p}) for p in args.prompt], outputs, args.json)
     return 0
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
+    params = _params(args)
     from tokenmill.entrypoints.llm import LLM
 
     llm = LLM(**engine_kwargs(args))
-    outputs = llm.chat(
-        [[{"role": "user", "content": m}] for m in args.message], _params(args), use_tqdm=False
+    if not args.message:
+        _chat_repl(llm, params, args.json)
+        return 0
+    conversations = [[{"role": "user", "content": m}] for m in args.message]
+    outputs = llm.chat(conversations, params, use_tqdm=False)
+    _print_answers(
+        [(m, {"messages": c}) for m, c in zip(args.message, conversations)], outputs, args.json
     )
-    for out in outputs:
-        print(out.outputs[0].text)
     return 0
+
+
+def _chat_repl(llm: LLM, params: SamplingParams, as_json: bool) -> None:
+    """One conversation: answer each line of stdin given the turns before it, until EOF or an
+    exit word. A turn the engine refuses (too long for the context) is dropped."""
+    interactive = sys.stdin.isatty()
+    if interactive:
+        import readline  # noqa: F401  (line editing and history for input())
+
+        print(f"Type {' or '.join(REPL_EXIT_WORDS)} (or Ctrl-D) to end.", file=sys.stderr)
+    messages: list[dict[str, str]] = []
+    while True:
+        try:
+            line = input("> " if interactive else "").strip()
+        except EOFError:
+            return
+        if line in REPL_EXIT_WORDS:
+            return
+        if not line:
+            continue
+        messages.append({"role": "user", "content": line})
+        try:
+            output = llm.chat([messages], params, use_tqdm=False)[0]
+        except ValueError as e:
+            messages.pop()
+            print(f"error: {e}", file=sys.stderr)
+            continue
+        _print_answers([(line, {"messages": list(messages)})], [output], as_json)
+        messages.append({"role": "assistant", "content": output.outputs[0].text})
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:
@@ -126,17 +228,28 @@ def cmd_plugins(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tokenmill", description="LLM inference engine")
+    parser = ArgumentParser(prog="tokenmill", description="LLM inference engine")
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=f"%(prog)s {importlib.metadata.version('tokenmill')}",
+        help="print the version and exit",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("generate", help="complete one or more prompts")
-    p.add_argument("prompt", nargs="+")
+    text = "complete prompts; several prompts are completed independently"
+    p = sub.add_parser("generate", help=text, description=text)
+    p.add_argument("prompt", nargs="+", help="prompts to complete")
     _sampling_args(p)
     add_engine_args(p)
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("chat", help="answer messages with the model's chat template")
-    p.add_argument("message", nargs="+")
+    text = (
+        "answer messages with the model's chat template: without a message, an interactive "
+        "conversation read from stdin; with several, each is a separate one-turn conversation"
+    )
+    p = sub.add_parser("chat", help=text, description=text)
+    p.add_argument("message", nargs="*", help="messages, each answered on its own")
     _sampling_args(p)
     add_engine_args(p)
     p.set_defaults(func=cmd_chat)

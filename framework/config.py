@@ -9,7 +9,13 @@ from typing import Any
 
 import torch
 
-from tokenmill.core.kv_cache_utils import PrefixCachingHashAlgo, check_hash_algo
+from tokenmill.core.kv_cache_utils import check_hash_algo
+from tokenmill.engine_args import (
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    MAX_DEFAULT_MODEL_LEN,
+    EngineArgs,
+)
 from tokenmill.interfaces.platform import Platform
 
 DTYPES = {
@@ -19,48 +25,19 @@ DTYPES = {
     "float16": torch.float16,
     "half": torch.float16,
 }
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
-MAX_DEFAULT_MODEL_LEN = 32768
-DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 
 
 @dataclass
-class EngineConfig:
-    """Everything ``LLM(...)`` accepts; see DESIGN.md's public API. ``finalize()`` fills the
-    derived fields (model path, HF config, platform, torch dtype, lengths).
+class EngineConfig(EngineArgs):
+    """Everything ``LLM(...)`` accepts (the fields of ``EngineArgs``); see DESIGN.md's public
+    API. ``finalize()`` fills the derived fields (model path, HF config, platform, torch dtype,
+    lengths).
 
     Settings whose feature has not landed (speculative decoding, quantization without a
     registered method, an FP8 KV cache, tensor/pipeline/data parallelism) raise
     ``ValueError`` rather than being ignored; so does ``gpu_memory_utilization`` (None: 0.9
     on GPUs) on a CPU platform.
     """
-
-    model: str | None = None
-    tokenizer: str | None = None
-    dtype: str = "auto"
-    max_model_len: int | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None
-    long_prefill_token_threshold: int = 0
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    kv_cache_memory_bytes: int | None = None
-    enable_prefix_caching: bool = True
-    prefix_caching_hash_algo: PrefixCachingHashAlgo = "sha256"
-    enable_chunked_prefill: bool = True
-    attention_backend: str | None = None
-    platform: str | None = None
-    quantization: str | None = None
-    kv_cache_dtype: str = "auto"
-    speculative_config: dict[str, Any] | None = None
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    data_parallel_size: int = 1
-    seed: int = 0
-    scheduling_policy: str = "fcfs"
-    watermark: float = 0.01
-    enforce_eager: bool = False
-    gpu_memory_utilization: float | None = None
 
     model_path: str = field(init=False, default="")
     hf_config: Any = field(init=False, default=None)

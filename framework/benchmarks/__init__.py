@@ -14,10 +14,12 @@ BENCHMARKS = {
 
 
 def register_subcommand(subparsers: argparse._SubParsersAction) -> None:
-    bench = subparsers.add_parser("bench", help="benchmarks (vLLM-compatible arguments)")
+    text = "benchmarks (vLLM-compatible arguments)"
+    bench = subparsers.add_parser("bench", help=text, description=text)
     kinds = bench.add_subparsers(dest="bench_kind", required=True)
     for name, module_name in BENCHMARKS.items():
         module = importlib.import_module(module_name)
-        parser = kinds.add_parser(name, help=module.__doc__.splitlines()[0])
+        doc = module.__doc__.replace("``", "")
+        parser = kinds.add_parser(name, help=doc.splitlines()[0], description=doc)
         module.add_arguments(parser)
         parser.set_defaults(func=module.run)

@@ -39,10 +39,29 @@ def random_requests(
     ]
 
 
+RANGE_RATIO_HELP = "lengths are drawn uniformly within this fraction either side of the lengths given"
+
+
 def add_dataset_arguments(parser) -> None:
     """vLLM's random-dataset flags; the dataset is drawn with the engine's ``--seed``."""
-    parser.add_argument("--dataset-name", default="random", choices=["random"])
-    parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--input-len", "--random-input-len", dest="input_len", type=int, default=256)
-    parser.add_argument("--output-len", "--random-output-len", dest="output_len", type=int, default=128)
-    parser.add_argument("--random-range-ratio", type=float, default=0.0)
+    parser.add_argument(
+        "--dataset-name", default="random", choices=["random"], help="prompts of random token ids"
+    )
+    parser.add_argument("--num-prompts", type=int, default=64, help="requests to run")
+    parser.add_argument(
+        "--input-len",
+        "--random-input-len",
+        dest="input_len",
+        type=int,
+        default=256,
+        help="prompt tokens per request",
+    )
+    parser.add_argument(
+        "--output-len",
+        "--random-output-len",
+        dest="output_len",
+        type=int,
+        default=128,
+        help="output tokens per request",
+    )
+    parser.add_argument("--random-range-ratio", type=float, default=0.0, help=RANGE_RATIO_HELP)

@@ -16,12 +16,12 @@ PERCENTILES = (10, 25, 50, 75, 90, 99)
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from tokenmill.cli import add_engine_args
 
-    parser.add_argument("--input-len", type=int, default=32)
-    parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--num-iters-warmup", type=int, default=1)
-    parser.add_argument("--num-iters", type=int, default=3)
-    parser.add_argument("--output-json", default=None)
+    parser.add_argument("--input-len", type=int, default=32, help="prompt tokens per request")
+    parser.add_argument("--output-len", type=int, default=128, help="output tokens per request")
+    parser.add_argument("--batch-size", type=int, default=8, help="requests in the batch")
+    parser.add_argument("--num-iters-warmup", type=int, default=1, help="unmeasured runs first")
+    parser.add_argument("--num-iters", type=int, default=3, help="measured runs")
+    parser.add_argument("--output-json", default=None, help="file to write the results to as JSON")
     add_engine_args(parser)
 
 

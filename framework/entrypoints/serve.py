@@ -7,29 +7,32 @@ import os
 
 from tokenmill.cli import add_engine_args, engine_kwargs
 
+API_KEY_ENV = "TOKENMILL_API_KEY"
+
 
 def register_subcommand(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("serve", help="serve the OpenAI API over HTTP")
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=8000)
+    text = "serve the OpenAI API over HTTP"
+    parser = subparsers.add_parser("serve", help=text, description=text)
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind")
+    parser.add_argument("--port", type=int, default=8000, help="port to bind")
     parser.add_argument(
         "--api-key",
-        default=os.environ.get("TOKENMILL_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on /v1 (default: $TOKENMILL_API_KEY)",
+        default=None,
+        help=f"require 'Authorization: Bearer KEY' on /v1; None: ${API_KEY_ENV}, if set",
     )
     parser.add_argument(
         "--served-model-name",
         nargs="+",
         default=None,
-        help="model names clients may use; the first is reported (default: the model's)",
+        help="model names clients may use; the first is reported; None: the model's",
     )
     parser.add_argument(
         "--max-pending-requests",
         type=int,
         default=None,
-        help="unfinished requests at which new ones get 503 (default: 1024)",
+        help="unfinished requests at which new ones get 503; None: 1024",
     )
-    parser.add_argument("--uvicorn-log-level", default="info")
+    parser.add_argument("--uvicorn-log-level", default="info", help="uvicorn's log level")
     add_engine_args(parser)
     parser.set_defaults(func=run)
 
@@ -48,6 +51,6 @@ def run(args: argparse.Namespace) -> int:
     )
     engine = AsyncLLM.from_engine_args(**limit, **engine_kwargs(args))
     names = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
-    app = build_app(engine, names, args.api_key)
+    app = build_app(engine, names, args.api_key or os.environ.get(API_KEY_ENV))
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
     return 0

@@ -1,0 +1,94 @@
+"""The engine arguments a user sets (``LLM(...)`` keywords, the CLI's engine flags), each with
+its help text. Kept free of torch so that the ``tokenmill`` command parses and fails fast;
+``EngineConfig`` (``tokenmill.config``) adds the checks and the derived fields."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from tokenmill.core.kv_cache_utils import PrefixCachingHashAlgo
+
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+MAX_DEFAULT_MODEL_LEN = 32768
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+
+
+def _arg(default: Any, help: str, **cli: Any) -> Any:
+    """A field with its help text; ``cli`` holds extra flag names (``flags=("-tp",)``)."""
+    return field(default=default, metadata={"help": help, **cli})
+
+
+@dataclass
+class EngineArgs:
+    """The user's engine arguments, as vLLM names them; ``metadata["help"]`` describes each."""
+
+    model: str | None = _arg(None, "HF-format model directory; None: the embedded SmolLM2-135M-Instruct")
+    tokenizer: str | None = _arg(None, "tokenizer directory; None: the model's")
+    dtype: str = _arg(
+        "auto",
+        "dtype of weights and activations: auto (the platform's choice for the checkpoint's "
+        "dtype) or a name such as float32, bfloat16, float16",
+    )
+    max_model_len: int | None = _arg(
+        None,
+        f"most tokens of prompt and output together; None: the model's maximum, at most "
+        f"{MAX_DEFAULT_MODEL_LEN}",
+    )
+    max_num_seqs: int = _arg(256, "most requests in one engine step")
+    max_num_batched_tokens: int | None = _arg(
+        None,
+        f"token budget of one engine step; None: {DEFAULT_MAX_NUM_BATCHED_TOKENS} (at least "
+        f"max_model_len without chunked prefill)",
+    )
+    long_prefill_token_threshold: int = _arg(
+        0, "most prompt tokens one request prefills in a step (chunked prefill); 0: no limit"
+    )
+    block_size: int = _arg(16, "tokens per KV-cache block")
+    num_kv_blocks: int | None = _arg(
+        None, "KV-cache blocks; None: as many as kv_cache_memory_bytes holds"
+    )
+    kv_cache_memory_bytes: int | None = _arg(
+        None,
+        "KV-cache size in bytes; None: the platform's budget (CPU: $TOKENMILL_CPU_KVCACHE_SPACE "
+        "GiB, else 2 GiB, at most a quarter of available memory; GPU: from "
+        "gpu_memory_utilization)",
+    )
+    enable_prefix_caching: bool = _arg(True, "share KV blocks between prompts with equal prefixes")
+    prefix_caching_hash_algo: PrefixCachingHashAlgo = _arg(
+        "sha256", "block hash: sha256 (collision-resistant) or builtin (faster, single tenant only)"
+    )
+    enable_chunked_prefill: bool = _arg(True, "split long prompts across engine steps")
+    attention_backend: str | None = _arg(
+        None,
+        "attention backend (see 'tokenmill plugins'); None: $TOKENMILL_ATTENTION_BACKEND, else "
+        "the best available",
+    )
+    platform: str | None = _arg(
+        None, "platform (see 'tokenmill plugins'); None: $TOKENMILL_PLATFORM, else detected"
+    )
+    quantization: str | None = _arg(
+        None, "quantization method; None: the checkpoint's, if any (none is registered yet)"
+    )
+    kv_cache_dtype: str = _arg("auto", "KV-cache dtype: auto (the model's); fp8 is not implemented yet")
+    speculative_config: dict[str, Any] | None = _arg(
+        None, "speculative decoding settings (not implemented yet)"
+    )
+    tensor_parallel_size: int = _arg(
+        1, "tensor-parallel ranks (above 1: not implemented yet)", flags=("-tp",)
+    )
+    pipeline_parallel_size: int = _arg(1, "pipeline stages (above 1: not implemented yet)")
+    data_parallel_size: int = _arg(1, "data-parallel engines (above 1: not implemented yet)")
+    seed: int = _arg(0, "seed of the engine's random generator")
+    scheduling_policy: str = _arg(
+        "fcfs", "fcfs (arrival order) or priority (lower priority value first, then arrival)"
+    )
+    watermark: float = _arg(
+        0.01, "fraction of KV blocks kept free when admitting new requests, in [0, 1)"
+    )
+    enforce_eager: bool = _arg(False, "run without CUDA graphs")
+    gpu_memory_utilization: float | None = _arg(
+        None,
+        f"fraction of GPU memory for the engine; None: {DEFAULT_GPU_MEMORY_UTILIZATION} on GPUs "
+        f"(refused on a CPU platform)",
+    )
