@@ -79,21 +79,20 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
     for f, flag_type, choices in ENGINE_FLAGS:
         names = ["--" + f.name.replace("_", "-"), *f.metadata.get("flags", ())]
-        if flag_type is bool:
-            g.add_argument(
-                *names, action=argparse.BooleanOptionalAction, default=f.default, help=f.metadata["help"]
-            )
-        else:
-            g.add_argument(
-                *names, type=flag_type, choices=choices, default=f.default, help=f.metadata["help"]
-            )
+        kind: dict[str, Any] = (
+            {"action": argparse.BooleanOptionalAction}
+            if flag_type is bool
+            else {"type": flag_type, "choices": choices}
+        )
+        g.add_argument(*names, default=f.default, help=f.metadata["help"], **kind)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return {name: getattr(args, name) for name in ENGINE_ARG_NAMES}
 
 
-def _sampling_args(parser: argparse.ArgumentParser) -> None:
+def _answer_args(parser: argparse.ArgumentParser) -> None:
+    """The sampling flags and ``--json`` of ``generate`` and ``chat``."""
     g = parser.add_argument_group("sampling")
     g.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate per answer")
     g.add_argument("--temperature", type=float, default=0.0, help="softmax temperature; 0: greedy")
@@ -240,7 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
     text = "complete prompts; several prompts are completed independently"
     p = sub.add_parser("generate", help=text, description=text)
     p.add_argument("prompt", nargs="+", help="prompts to complete")
-    _sampling_args(p)
+    _answer_args(p)
     add_engine_args(p)
     p.set_defaults(func=cmd_generate)
 
@@ -250,7 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p = sub.add_parser("chat", help=text, description=text)
     p.add_argument("message", nargs="*", help="messages, each answered on its own")
-    _sampling_args(p)
+    _answer_args(p)
     add_engine_args(p)
     p.set_defaults(func=cmd_chat)
 

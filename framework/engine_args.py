@@ -23,7 +23,9 @@ def _arg(default: Any, help: str, **cli: Any) -> Any:
 class EngineArgs:
     """The user's engine arguments, as vLLM names them; ``metadata["help"]`` describes each."""
 
-    model: str | None = _arg(None, "HF-format model directory; None: the embedded SmolLM2-135M-Instruct")
+    model: str | None = _arg(
+        None, "HF-format model directory; None: the embedded SmolLM2-135M-Instruct"
+    )
     tokenizer: str | None = _arg(None, "tokenizer directory; None: the model's")
     dtype: str = _arg(
         "auto",
@@ -70,7 +72,9 @@ class EngineArgs:
     quantization: str | None = _arg(
         None, "quantization method; None: the checkpoint's, if any (none is registered yet)"
     )
-    kv_cache_dtype: str = _arg("auto", "KV-cache dtype: auto (the model's); fp8 is not implemented yet")
+    kv_cache_dtype: str = _arg(
+        "auto", "KV-cache dtype: auto (the model's); fp8 is not implemented yet"
+    )
     speculative_config: dict[str, Any] | None = _arg(
         None, "speculative decoding settings (not implemented yet)"
     )

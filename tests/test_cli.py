@@ -183,9 +183,8 @@ def test_chat_messages_are_separate_conversations(tiny_chat_model, capsys):
 
 
 def test_chat_without_message_keeps_the_conversation(tiny_chat_model, capsys, monkeypatch):
-    out = _run(
-        tiny_chat_model, ["chat", "--json"], capsys, stdin="A\n\nB\nquit\nC\n", monkeypatch=monkeypatch
-    )
+    stdin = "A\n\nB\nquit\nC\n"
+    out = _run(tiny_chat_model, ["chat", "--json"], capsys, stdin=stdin, monkeypatch=monkeypatch)
     first, second = (json.loads(line) for line in out.splitlines())
     assert first["messages"] == [{"role": "user", "content": "A"}]
     assert second["messages"] == [

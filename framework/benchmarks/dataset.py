@@ -39,7 +39,7 @@ def random_requests(
     ]
 
 
-RANGE_RATIO_HELP = "lengths are drawn uniformly within this fraction either side of the lengths given"
+RANGE_RATIO_HELP = "lengths are drawn uniformly within this fraction either side of the given ones"
 
 
 def add_dataset_arguments(parser) -> None:

@@ -13,7 +13,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from tokenmill.cli import add_engine_args
 
     add_dataset_arguments(parser)
-    parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0: greedy")
+    parser.add_argument(
+        "--temperature", type=float, default=0.0, help="sampling temperature; 0: greedy"
+    )
     parser.add_argument("--output-json", default=None, help="file to write the results to as JSON")
     add_engine_args(parser)
 
