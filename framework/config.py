@@ -29,8 +29,8 @@ DTYPES = {
 
 @dataclass
 class EngineConfig(EngineArgs):
-    """Everything ``LLM(...)`` accepts (the fields of ``EngineArgs``); see DESIGN.md's public
-    API. ``finalize()`` fills the derived fields (model path, HF config, platform, torch dtype,
+    """Everything ``LLM(...)`` accepts (the fields of ``EngineArgs``, each documented there).
+    ``finalize()`` fills the derived fields (model path, HF config, platform, torch dtype,
     lengths).
 
     Settings whose feature has not landed (speculative decoding, quantization without a

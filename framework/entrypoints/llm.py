@@ -16,8 +16,8 @@ Message = dict[str, str]
 
 
 class LLM:
-    """An engine for offline batch generation. Arguments are those of DESIGN.md's public API
-    (``model=None`` is the embedded SmolLM2-135M-Instruct)."""
+    """An engine for offline batch generation. Keyword arguments are the engine arguments of
+    ``tokenmill.engine_args.EngineArgs`` (``model=None`` is the embedded SmolLM2-135M-Instruct)."""
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         self.llm_engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs))
