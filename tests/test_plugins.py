@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import json
 import logging
+import re
 import shutil
 import sys
 import textwrap
@@ -28,6 +29,7 @@ from tokenmill.platforms.cpu import CpuPlatform
 from tokenmill.plugins import PluginError
 from tokenmill.selector import select_attention_backend, select_platform
 
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "plugins.md"
 ENV_VARS = ("TOKENMILL_PLUGINS", "TOKENMILL_PLATFORM", "TOKENMILL_ATTENTION_BACKEND")
 ATTN = AttentionConfig(head_size=16, dtype=torch.float32)
 
@@ -515,3 +517,32 @@ def test_unknown_name_is_a_value_error_naming_it(site, tiny_llama, case):
     with pytest.raises(ValueError, match=r"unknown (platform|attention backend) 'nope'"):
         choose(tiny_llama)
 
+
+def _doc_section(heading: str) -> str:
+    return DOCS.read_text().split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
+
+
+def test_tiny_checkpoint_recipe_in_docs_runs_and_warns_without_tokenizer(
+    site, tmp_path, monkeypatch, tokenmill_log
+):
+    """The docs' snippets, run in order: a tiny checkpoint without a tokenizer gives token ids,
+    empty text and one warning at start-up; with the byte tokenizer saved, text prompts work."""
+    section = _doc_section("Trying a plugin on a tiny checkpoint")
+    make, run, save_tokenizer, run_text = re.findall(r"```python\n(.*?)```", section, re.S)
+    warning = re.search(r"```text\n(.*?)\n```", section, re.S).group(1)
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    exec(make, namespace)
+    exec(run, namespace)
+    completion = namespace["completion"]
+    assert completion.token_ids and completion.text == ""
+    warnings = [msg for _, level, msg in tokenmill_log if level >= logging.WARNING]
+    assert warnings == [warning]
+    with pytest.raises(ValueError, match="this model has no tokenizer"):
+        namespace["llm"].generate("Hello", use_tqdm=False)
+
+    tokenmill_log.clear()
+    exec(save_tokenizer, namespace)
+    exec(run_text, namespace)
+    assert namespace["out"][0].prompt_token_ids == [39, 68, 75, 75, 78]
+    assert not [msg for _, level, msg in tokenmill_log if level >= logging.WARNING]
