@@ -196,9 +196,10 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     import torch
 
     from tokenmill.interfaces.attention import AttentionConfig
-    from tokenmill.plugins import KINDS, get_registry
+    from tokenmill.plugins import KINDS, PluginError, get_plugin_manager
     from tokenmill.selector import backend_reasons, select_platform
 
+    manager = get_plugin_manager(strict=False)
     try:
         platform = select_platform()
     except Exception:
@@ -206,7 +207,7 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     device = platform.device_type if platform else "cpu"
     attn_config = AttentionConfig(head_size=64, dtype=torch.float32, device_type=device)
     for kind in KINDS:
-        registry = get_registry(kind)
+        registry = manager.registries[kind]
         print(f"{kind}:")
         if not registry.entries:
             print("  (none)")
@@ -217,12 +218,21 @@ def cmd_plugins(args: argparse.Namespace) -> int:
                 reasons = backend_reasons(name, attn_config)
                 note = f"  [unavailable: {'; '.join(reasons)}]" if reasons else ""
             elif kind == "platforms":
-                cls = reg.load()
-                if cls is platform:
-                    note = "  [selected]"
-                elif not cls.is_available():
-                    note = "  [not available]"
+                try:
+                    cls = reg.load()
+                except PluginError as e:
+                    note = f"  [unavailable: {e.__cause__}]"
+                else:
+                    if cls is platform:
+                        note = "  [selected]"
+                    elif not cls.is_available():
+                        note = "  [not available]"
             print(f"  {name:<24} {reg.target:<60} from {reg.distribution}{note}")
+    if manager.errors:
+        print("broken plugins (no engine starts until they are fixed or uninstalled):")
+        for error in manager.errors:
+            print("  " + str(error).replace("\n", "\n    "))
+        return 1
     return 0
 
 

@@ -73,9 +73,13 @@ class Registration:
     target: str
     plugin: str
     distribution: str
+    cls: type | None = None
+    """The class itself, when a runtime registration passed one instead of a path."""
 
     def load(self) -> type:
         """Import and return the registered class."""
+        if self.cls is not None:
+            return self.cls
         module_name, _, attr = self.target.partition(":")
         try:
             obj = importlib.import_module(module_name)
@@ -83,7 +87,7 @@ class Registration:
                 obj = getattr(obj, part)
         except Exception as e:
             raise PluginError(
-                f"cannot import {self.kind[:-1].replace('_', ' ')} {self.name!r} "
+                f"cannot import {_label(self.kind)} {self.name!r} "
                 f"({self.target}) registered by plugin {self.plugin!r} "
                 f"from distribution {self.distribution!r}: {e}"
             ) from e
@@ -96,14 +100,20 @@ class Registry:
     def __init__(self, kind: str) -> None:
         self.kind = kind
         self.entries: dict[str, Registration] = {}
+        self.filter_note = ""
+        """Which plugins ``TOKENMILL_PLUGINS`` left out, for errors about missing parts."""
 
     def add(self, reg: Registration, *, replace: bool) -> None:
+        """Add ``reg``; without ``replace``, a name taken by another target is an error and a
+        name taken by the same target keeps its first registration."""
         old = self.entries.get(reg.name)
-        if old is not None and not replace and old.target != reg.target:
-            raise PluginError(
-                f"{self.kind} name {reg.name!r} registered twice: by plugin {old.plugin!r} "
-                f"({old.distribution}) and by plugin {reg.plugin!r} ({reg.distribution})"
-            )
+        if old is not None and not replace:
+            if old.target != reg.target:
+                raise PluginError(
+                    f"{self.kind} name {reg.name!r} registered twice: by plugin {old.plugin!r} "
+                    f"({old.distribution}) and by plugin {reg.plugin!r} ({reg.distribution})"
+                )
+            return
         self.entries[reg.name] = reg
 
     def get(self, name: str) -> Registration:
@@ -111,11 +121,29 @@ class Registry:
             return self.entries[name]
         except KeyError:
             known = ", ".join(sorted(self.entries)) or "none"
-            label = self.kind[:-1].replace("_", " ")
-            raise ValueError(f"unknown {label} {name!r}; registered: {known}") from None
+            raise ValueError(
+                f"unknown {_label(self.kind)} {name!r}; registered: {known}{self.filter_suffix()}"
+            ) from None
 
     def load(self, name: str) -> type:
         return self.get(name).load()
+
+    def choose(self, name: str) -> type:
+        """Load ``name`` for an engine and log where it comes from: at INFO for a part from a
+        third-party plugin or a runtime registration, at DEBUG for a built-in one."""
+        reg = self.get(name)
+        cls = reg.load()
+        if reg.plugin == RUNTIME:
+            level, source = logging.INFO, "registered at run time"
+        else:
+            level = logging.DEBUG if reg.distribution == PROJECT else logging.INFO
+            source = f"from plugin {reg.plugin!r} (distribution {reg.distribution!r})"
+        logger.log(level, "using %s %r: %s %s", _label(self.kind), name, reg.target, source)
+        return cls
+
+    def filter_suffix(self) -> str:
+        """``" (<filter_note>)"``, or ``""`` when ``TOKENMILL_PLUGINS`` left nothing out."""
+        return f" ({self.filter_note})" if self.filter_note else ""
 
     def names(self) -> list[str]:
         return sorted(self.entries)
@@ -125,31 +153,58 @@ class Registry:
 
 
 class PluginManager:
-    """Loads entry-point plugins and runs their hooks into one registry per kind."""
+    """Loads entry-point plugins and runs their hooks into one registry per kind.
+
+    A plugin that fails to load or register leaves nothing behind: its error goes to
+    ``errors`` and the other plugins load as usual."""
 
     def __init__(self) -> None:
         self.pm = pluggy.PluginManager(PROJECT)
         self.pm.add_hookspecs(HookSpecs)
         self.registries = {kind: Registry(kind) for kind in KINDS}
         self.plugin_distributions: dict[str, str] = {}
+        self.errors: list[PluginError] = []
 
     def load_entry_points(self) -> None:
+        """Load the entry points ``TOKENMILL_PLUGINS`` allows (all when unset); a name in it
+        that no installed entry point has is a ``ValueError`` listing the installed ones."""
+        entry_points = importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
         allowed = _allowed_plugins()
-        for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        if allowed is not None:
+            installed = {ep.name for ep in entry_points}
+            unknown = sorted(allowed - installed)
+            if unknown:
+                raise ValueError(
+                    f"TOKENMILL_PLUGINS names unknown plugin(s) {', '.join(map(repr, unknown))}; "
+                    f"installed plugins: {', '.join(sorted(installed)) or 'none'}"
+                )
+            excluded = sorted(installed - allowed)
+            if excluded:
+                note = (
+                    f"TOKENMILL_PLUGINS={os.environ['TOKENMILL_PLUGINS']!r} excluded the "
+                    f"plugin(s) {', '.join(excluded)}"
+                )
+                for registry in self.registries.values():
+                    registry.filter_note = note
+        for ep in entry_points:
             if allowed is not None and ep.name not in allowed:
                 continue
             dist = ep.dist.name if ep.dist is not None else "unknown"
             try:
-                module = ep.load()
-            except Exception as e:
-                raise PluginError(
-                    f"plugin {ep.name!r} from distribution {dist!r} failed to load "
-                    f"({ep.value}): {e}"
-                ) from e
-            self.register_plugin(module, ep.name, dist)
+                try:
+                    module = ep.load()
+                except Exception as e:
+                    raise PluginError(
+                        f"plugin {ep.name!r} from distribution {dist!r} failed to load "
+                        f"({ep.value}): {e}"
+                    ) from e
+                self.register_plugin(module, ep.name, dist)
+            except PluginError as e:
+                self.errors.append(e)
 
     def register_plugin(self, module: object, name: str, distribution: str) -> None:
-        """Register a hook-implementing object and run its hooks now."""
+        """Register a hook-implementing object and run its hooks now; on error, nothing of it
+        stays registered."""
         existing = self.pm.get_plugin(name)
         if existing is module:
             return
@@ -159,18 +214,24 @@ class PluginManager:
                 f"{self.plugin_distributions[name]!r} and by distribution {distribution!r}"
             )
         try:
-            self.pm.register(module, name=name)
-            self.pm.check_pending()
-        except Exception as e:
-            raise PluginError(
-                f"plugin {name!r} from distribution {distribution!r} is not a valid "
-                f"tokenmill plugin: {e}"
-            ) from e
+            try:
+                self.pm.register(module, name=name)
+                self.pm.check_pending()
+            except Exception as e:
+                raise PluginError(
+                    f"plugin {name!r} from distribution {distribution!r} is not a valid "
+                    f"tokenmill plugin: {e} (the hooks are {', '.join(KINDS.values())})"
+                ) from e
+            for kind, hook_name in KINDS.items():
+                for impl in getattr(self.pm.hook, hook_name).get_hookimpls():
+                    if impl.plugin_name == name:
+                        self._run_hook(kind, impl, name, distribution)
+        except PluginError:
+            self.pm.unregister(name=name)
+            for registry in self.registries.values():
+                registry.entries = {k: r for k, r in registry.entries.items() if r.plugin != name}
+            raise
         self.plugin_distributions[name] = distribution
-        for kind, hook_name in KINDS.items():
-            for impl in getattr(self.pm.hook, hook_name).get_hookimpls():
-                if impl.plugin_name == name:
-                    self._run_hook(kind, impl, name, distribution)
 
     def _run_hook(self, kind: str, impl: pluggy.HookImpl, plugin: str, dist: str) -> None:
         registry = self.registries[kind]
@@ -194,6 +255,11 @@ class PluginManager:
             ) from e
 
 
+def _label(kind: str) -> str:
+    """``"attention_backends"`` -> ``"attention backend"``."""
+    return kind[:-1].replace("_", " ")
+
+
 def _allowed_plugins() -> set[str] | None:
     value = os.environ.get("TOKENMILL_PLUGINS")
     if value is None or not value.strip():
@@ -206,8 +272,12 @@ _manager: PluginManager | None = None
 _runtime: list[Registration] = []
 
 
-def get_plugin_manager() -> PluginManager:
-    """The process-wide plugin manager, loading entry points on first use."""
+def get_plugin_manager(strict: bool = True) -> PluginManager:
+    """The process-wide plugin manager, loading entry points on first use.
+
+    ``strict`` raises the first plugin's ``PluginError`` if any plugin failed, so no engine runs
+    without an installed plugin; ``strict=False`` returns the healthy parts and the failures in
+    ``errors`` (for ``tokenmill plugins``)."""
     global _manager
     with _lock:
         if _manager is None:
@@ -216,7 +286,10 @@ def get_plugin_manager() -> PluginManager:
             for reg in _runtime:
                 manager.registries[reg.kind].add(reg, replace=True)
             _manager = manager
-        return _manager
+        manager = _manager
+    if strict and manager.errors:
+        raise manager.errors[0].with_traceback(None)
+    return manager
 
 
 def reload_plugins() -> PluginManager:
@@ -227,40 +300,46 @@ def reload_plugins() -> PluginManager:
     return get_plugin_manager()
 
 
-def get_registry(kind: str) -> Registry:
-    """The registry of one kind: platforms, attention_backends, models, proposers, quantization_methods."""
+def get_registry(kind: str, strict: bool = True) -> Registry:
+    """The registry of one kind: platforms, attention_backends, models, proposers,
+    quantization_methods; ``strict`` as in ``get_plugin_manager``."""
     if kind not in KINDS:
         raise ValueError(f"unknown plugin kind {kind!r}; expected one of {', '.join(KINDS)}")
-    return get_plugin_manager().registries[kind]
+    return get_plugin_manager(strict).registries[kind]
 
 
-def register(kind: str, name: str, target: str) -> None:
-    """Register a part at run time, in this process only (worker processes see entry points only).
+def register(kind: str, name: str, target: str | type) -> None:
+    """Register a class, or a lazy ``"module:Class"`` path, at run time in this process only
+    (worker processes see entry points only).
 
     A runtime registration replaces an entry-point one of the same name.
     """
-    if ":" not in target:
-        raise ValueError(f"target {target!r} must be 'module:Class'")
-    reg = Registration(kind, name, target, RUNTIME, RUNTIME)
-    get_registry(kind).add(reg, replace=True)
+    if isinstance(target, type):
+        path = f"{target.__module__}:{target.__qualname__}"
+        reg = Registration(kind, name, path, RUNTIME, RUNTIME, target)
+    elif isinstance(target, str) and ":" in target:
+        reg = Registration(kind, name, target, RUNTIME, RUNTIME)
+    else:
+        raise ValueError(f"target {target!r} must be 'module:Class' or a class")
+    get_registry(kind, strict=False).add(reg, replace=True)
     _runtime.append(reg)
 
 
-def register_platform(name: str, target: str) -> None:
+def register_platform(name: str, target: str | type) -> None:
     """``register("platforms", name, target)``."""
     register("platforms", name, target)
 
 
-def register_attention_backend(name: str, target: str) -> None:
+def register_attention_backend(name: str, target: str | type) -> None:
     """``register("attention_backends", name, target)``."""
     register("attention_backends", name, target)
 
 
-def register_proposer(name: str, target: str) -> None:
+def register_proposer(name: str, target: str | type) -> None:
     """``register("proposers", name, target)``."""
     register("proposers", name, target)
 
 
-def register_quantization_method(name: str, target: str) -> None:
+def register_quantization_method(name: str, target: str | type) -> None:
     """``register("quantization_methods", name, target)``."""
     register("quantization_methods", name, target)

@@ -19,7 +19,7 @@ def select_platform(name: str | None = None) -> type[Platform]:
         platform = registry.load(name)
         if not platform.is_available():
             raise ValueError(f"platform {name!r} is not available on this machine")
-        return platform
+        return registry.choose(name)
     candidates = []
     for reg in registry.entries.values():
         platform = reg.load()
@@ -27,8 +27,11 @@ def select_platform(name: str | None = None) -> type[Platform]:
             builtin = reg.distribution == "tokenmill"
             candidates.append((not builtin, platform.detection_priority, reg.name, platform))
     if not candidates:
-        raise RuntimeError(f"no available platform among {', '.join(registry.names()) or 'none'}")
-    return max(candidates, key=lambda c: c[:3])[3]
+        raise RuntimeError(
+            f"no available platform among {', '.join(registry.names()) or 'none'}"
+            + registry.filter_suffix()
+        )
+    return registry.choose(max(candidates, key=lambda c: c[:3])[2])
 
 
 def select_attention_backend(
@@ -44,13 +47,13 @@ def select_attention_backend(
         reasons = backend_reasons(name, config)
         if reasons:
             raise ValueError(f"attention backend {name!r} cannot be used: {'; '.join(reasons)}")
-        return registry.load(name)
+        return registry.choose(name)
     candidates = platform.get_attn_backend_candidates(config)
     report = []
     for candidate in candidates:
         reasons = backend_reasons(candidate, config)
         if not reasons:
-            return registry.load(candidate)
+            return registry.choose(candidate)
         report.append(f"{candidate}: {'; '.join(reasons)}")
     raise ValueError(
         f"no attention backend of platform {platform.name!r} can serve {config}: "
@@ -59,8 +62,9 @@ def select_attention_backend(
 
 
 def backend_reasons(name: str, config: AttentionConfig) -> list[str]:
-    """Why backend ``name`` cannot serve ``config`` (an import failure is a reason too)."""
-    registry = plugins.get_registry("attention_backends")
+    """Why backend ``name`` cannot serve ``config`` (an import failure is a reason too); works
+    while a broken plugin is installed, for ``tokenmill plugins``."""
+    registry = plugins.get_registry("attention_backends", strict=False)
     registry.get(name)
     try:
         backend = registry.load(name)

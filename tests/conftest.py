@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterator
+
 import pytest
 import torch
 
@@ -106,3 +109,25 @@ def save_byte_tokenizer(path) -> None:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(str(path))
+
+
+class _Collect(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.logged: list[tuple[str, int, str]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.logged.append((record.name, record.levelno, record.getMessage()))
+
+
+@pytest.fixture
+def tokenmill_log() -> Iterator[list[tuple[str, int, str]]]:
+    """(logger, level, message) of each record of the ``tokenmill`` loggers from DEBUG up,
+    whatever handlers and propagation they have."""
+    logger = logging.getLogger("tokenmill")
+    handler, previous = _Collect(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    yield handler.logged
+    logger.setLevel(previous)
+    logger.removeHandler(handler)

@@ -5,6 +5,7 @@ generate HF's greedy tokens, and leave the defaults alone."""
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import random
 import shutil
@@ -148,6 +149,19 @@ def test_platform_chosen_when_asked(installed, monkeypatch, env):
 def test_platform_dtype_policy(installed, hf_gpt2):
     with pytest.raises(ValueError, match="bfloat16 is not supported on platform 'example'"):
         LLM(model=str(hf_gpt2[1]), platform="example", dtype="bfloat16")
+
+
+def test_engine_logs_parts_from_the_plugin(installed, hf_gpt2, tokenmill_log):
+    model = str(hf_gpt2[1])
+    LLM(model=model, platform="example", attention_backend="example-hnd", num_kv_blocks=16)
+    source = f"from plugin 'example' (distribution '{DIST}')"
+    parts = [
+        "platform 'example': tokenmill_example_plugin.platform:ExamplePlatform",
+        "attention backend 'example-hnd': tokenmill_example_plugin.attention:HeadMajorBackend",
+        "model 'GPT2LMHeadModel': tokenmill_example_plugin.gpt2:GPT2LMHeadModel",
+    ]
+    logged = [(level, msg) for name, level, msg in tokenmill_log if name == "tokenmill.plugins"]
+    assert logged == [(logging.INFO, f"using {part} {source}") for part in parts]
 
 
 def i32(values: list[int]) -> torch.Tensor:

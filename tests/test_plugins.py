@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import importlib
 import json
+import logging
+import re
 import shutil
 import sys
 import textwrap
@@ -27,6 +29,7 @@ from tokenmill.platforms.cpu import CpuPlatform
 from tokenmill.plugins import PluginError
 from tokenmill.selector import select_attention_backend, select_platform
 
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "plugins.md"
 ENV_VARS = ("TOKENMILL_PLUGINS", "TOKENMILL_PLATFORM", "TOKENMILL_ATTENTION_BACKEND")
 ATTN = AttentionConfig(head_size=16, dtype=torch.float32)
 
@@ -167,13 +170,29 @@ def test_tokenmill_plugins_filters_entry_points(fake_plugin, allowed, present, a
     assert all(n in names for n in present) and not any(n in names for n in absent)
 
 
+BROKEN_PREFIX = "plugin 'broken' from distribution 'broken-dist' "
+HOOKS = "register_platforms, register_attention_backends, register_models, register_proposers, " \
+    "register_quantization_methods"
+
 BROKEN = {
-    "import-error": ("broken_tm", "import missing_dependency_xyz\n", "failed to load"),
-    "missing-module": ("broken_tm_missing", None, "failed to load"),
+    "import-error": (
+        "broken_tm",
+        "import missing_dependency_xyz\n",
+        "failed to load (broken_tm): No module named 'missing_dependency_xyz'",
+    ),
+    "missing-module": (
+        "broken_tm_missing",
+        None,
+        "failed to load (broken_tm_missing): No module named 'broken_tm_missing'",
+    ),
     "hook-raises": (
         "broken_tm",
         """
         from tokenmill.plugins import hookimpl
+
+        @hookimpl
+        def register_platforms(register):
+            register("half", "broken_tm:HalfPlatform")
 
         @hookimpl
         def register_models(register):
@@ -190,7 +209,7 @@ BROKEN = {
         def register_models(register):
             register("Broken", "no_colon_here")
         """,
-        "expected register(name, 'module:Class')",
+        "registered 'Broken' -> 'no_colon_here'; expected register(name, 'module:Class')",
     ),
     "bad-hook-signature": (
         "broken_tm",
@@ -201,7 +220,10 @@ BROKEN = {
         def register_models(registry):
             pass
         """,
-        "is not a valid tokenmill plugin",
+        "is not a valid tokenmill plugin: Plugin 'broken' for hook 'register_models'\n"
+        "hookimpl definition: register_models(registry)\n"
+        "Argument(s) {'registry'} are declared in the hookimpl but can not be found in the "
+        f"hookspec (the hooks are {HOOKS})",
     ),
     "misspelled-hook": (
         "broken_tm",
@@ -212,19 +234,103 @@ BROKEN = {
         def register_model(register):
             pass
         """,
-        "unknown hook 'register_model'",
+        "is not a valid tokenmill plugin: unknown hook 'register_model' in plugin "
+        f"<module 'broken_tm' from '{{root}}/broken_tm.py'> (the hooks are {HOOKS})",
     ),
 }
 
 
+def _install_broken(site: FakeSite, case: str) -> str:
+    """Install the ``BROKEN`` case as plugin 'broken' of 'broken-dist'; return its error."""
+    module, source, message = BROKEN[case]
+    site.install("broken-dist", module, {module: source} if source else {}, ep_name="broken")
+    return BROKEN_PREFIX + message.replace("{root}", str(site.root))
+
+
 @pytest.mark.parametrize("case", list(BROKEN))
 def test_broken_plugin_is_an_error_naming_it(site, case):
-    module, source, fragment = BROKEN[case]
-    site.install("broken-dist", module, {module: source} if source else {}, ep_name="broken")
+    message = _install_broken(site, case)
     with pytest.raises(PluginError) as err:
         plugins.reload_plugins()
-    message = str(err.value)
-    assert "plugin 'broken'" in message and "'broken-dist'" in message and fragment in message
+    assert str(err.value) == message
+    with pytest.raises(PluginError) as err:
+        plugins.get_registry("models")
+    assert str(err.value) == message
+
+
+@pytest.mark.parametrize("case", list(BROKEN))
+def test_plugins_command_lists_healthy_parts_and_the_broken_plugin(site, case, capsys):
+    message = _install_broken(site, case)
+    with pytest.raises(PluginError):
+        plugins.reload_plugins()
+    assert cli.main(["plugins"]) == 1
+    out = capsys.readouterr().out
+    names = [line.split()[0] for line in out.splitlines() if line.startswith("  ")]
+    assert {"cpu", "torch", "LlamaForCausalLM"} <= set(names)
+    assert "half" not in names, "a failing plugin leaves none of its parts registered"
+    indented = message.replace("\n", "\n    ")
+    assert out.endswith(
+        f"broken plugins (no engine starts until they are fixed or uninstalled):\n  {indented}\n"
+    )
+
+
+def test_plugins_command_lists_unimportable_platform(site, capsys):
+    site.install(
+        "ghost-dist",
+        "ghost_tm",
+        {
+            "ghost_tm": """
+            from tokenmill.plugins import hookimpl
+
+            @hookimpl
+            def register_platforms(register):
+                register("ghost", "ghost_tm_nowhere:GhostPlatform")
+            """
+        },
+        ep_name="ghost",
+    )
+    plugins.reload_plugins()
+    assert cli.main(["plugins"]) == 0
+    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()}
+    assert lines["ghost"].endswith("[unavailable: No module named 'ghost_tm_nowhere']")
+
+
+def test_misspelled_tokenmill_plugins_names_the_unknown_and_installed_plugins(site, capsys):
+    site.mp.setenv("TOKENMILL_PLUGINS", "platfroms, models")
+    message = (
+        "TOKENMILL_PLUGINS names unknown plugin(s) 'platfroms'; "
+        "installed plugins: attention_backends, models, platforms"
+    )
+    with pytest.raises(ValueError) as err:
+        plugins.reload_plugins()
+    assert str(err.value) == message
+    assert cli.main(["plugins"]) == 2
+    assert capsys.readouterr().err == f"error: {message}\n"
+
+
+FILTERED = "(TOKENMILL_PLUGINS='models' excluded the plugin(s) attention_backends, platforms)"
+EXCLUDED_BY_FILTER = {
+    "auto": (RuntimeError, lambda model: select_platform(), "no available platform among none"),
+    "LLM": (RuntimeError, lambda model: LLM(model=model), "no available platform among none"),
+    "named": (
+        ValueError, lambda model: select_platform("cpu"), "unknown platform 'cpu'; registered: none"
+    ),
+    "backend": (
+        ValueError,
+        lambda model: select_attention_backend(CpuPlatform, ATTN, "torch"),
+        "unknown attention backend 'torch'; registered: none",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(EXCLUDED_BY_FILTER))
+def test_error_says_when_tokenmill_plugins_excluded_the_parts(site, tiny_llama, case):
+    error, choose, message = EXCLUDED_BY_FILTER[case]
+    site.mp.setenv("TOKENMILL_PLUGINS", "models")
+    plugins.reload_plugins()
+    with pytest.raises(error) as err:
+        choose(tiny_llama)
+    assert str(err.value) == f"{message} {FILTERED}"
 
 
 def test_unimportable_target_fails_when_chosen_naming_plugin(site):
@@ -307,41 +413,85 @@ def test_available_out_of_tree_platform_wins_unless_not_auto_selectable(site, au
     assert select_platform("avail").name == "avail"
 
 
-def test_runtime_model_registration(site, tiny_llama, tmp_path):
-    ModelRegistry.register_model("MyLlamaForCausalLM", "tokenmill.models.llama:LlamaForCausalLM")
+def _local_class(base: type) -> type:
+    class Local(base):
+        """Defined in a function: reachable as a class, not by a ``module:Class`` path."""
+
+    return Local
+
+
+def _renamed_checkpoint(src: str, dst: Path, arch: str) -> str:
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    config["architectures"] = [arch]
+    (dst / "config.json").write_text(json.dumps(config))
+    return str(dst)
+
+
+@pytest.mark.parametrize("as_class", [False, True], ids=["path", "class"])
+def test_runtime_model_registration(site, tiny_llama, tmp_path, tokenmill_log, as_class):
+    model_cls = _local_class(LlamaForCausalLM) if as_class else LlamaForCausalLM
+    target = model_cls if as_class else "tokenmill.models.llama:LlamaForCausalLM"
+    ModelRegistry.register_model("MyLlamaForCausalLM", target)
     plugins.reload_plugins()  # runtime registrations survive a reload
     assert "MyLlamaForCausalLM" in ModelRegistry.supported_archs()
-    assert plugins.get_registry("models").get("MyLlamaForCausalLM").distribution == plugins.RUNTIME
+    reg = plugins.get_registry("models").get("MyLlamaForCausalLM")
+    assert reg.distribution == plugins.RUNTIME
+    assert reg.target == f"{model_cls.__module__}:{model_cls.__qualname__}"
     resolved = ModelRegistry.resolve(["Unknown", "MyLlamaForCausalLM"])
-    assert resolved == (LlamaForCausalLM, "MyLlamaForCausalLM")
+    assert resolved == (model_cls, "MyLlamaForCausalLM")
 
-    model_dir = tmp_path / "my_llama"
-    shutil.copytree(tiny_llama, model_dir)
-    config = json.loads((model_dir / "config.json").read_text())
-    config["architectures"] = ["MyLlamaForCausalLM"]
-    (model_dir / "config.json").write_text(json.dumps(config))
-    llm = LLM(model=str(model_dir), num_kv_blocks=16)
+    model_dir = _renamed_checkpoint(tiny_llama, tmp_path / "my_llama", "MyLlamaForCausalLM")
+    tokenmill_log.clear()
+    llm = LLM(model=model_dir, num_kv_blocks=16)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     out = llm.generate({"prompt_token_ids": [1, 2, 3]}, params, use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
+    message = f"using model 'MyLlamaForCausalLM': {reg.target} registered at run time"
+    assert ("tokenmill.plugins", logging.INFO, message) in tokenmill_log
 
 
-def test_runtime_registration_of_every_kind(site):
-    plugins.register_platform("cpu-again", "tokenmill.platforms.cpu:CpuPlatform")
-    plugins.register_attention_backend(
-        "torch-again", "tokenmill.attention_backends.torch_ref:TorchRefBackend"
-    )
-    plugins.register_proposer("my-spec", "somewhere:Proposer")
-    plugins.register_quantization_method("my-quant", "somewhere:Method")
+@pytest.mark.parametrize("as_class", [False, True], ids=["path", "class"])
+def test_runtime_registration_of_every_kind(site, as_class):
+    parts = {
+        "platform": ("cpu-again", CpuPlatform, "tokenmill.platforms.cpu:CpuPlatform"),
+        "attention_backend": (
+            "torch-again",
+            TorchRefBackend,
+            "tokenmill.attention_backends.torch_ref:TorchRefBackend",
+        ),
+        "proposer": ("my-spec", _local_class(object), "somewhere:Proposer"),
+        "quantization_method": ("my-quant", _local_class(object), "somewhere:Method"),
+    }
+    for kind, (name, cls, path) in parts.items():
+        getattr(plugins, f"register_{kind}")(name, cls if as_class else path)
     assert select_platform("cpu-again") is CpuPlatform
     assert select_attention_backend(CpuPlatform, ATTN, "torch-again") is TorchRefBackend
     assert "my-spec" in plugins.get_registry("proposers")
     assert "my-quant" in plugins.get_registry("quantization_methods")
+    if as_class:
+        assert plugins.get_registry("proposers").load("my-spec") is parts["proposer"][1]
+
+
+def test_engine_logs_where_its_parts_come_from(site, tiny_llama, tokenmill_log):
+    LLM(model=tiny_llama, num_kv_blocks=16)
+    source = "from plugin '{}' (distribution 'tokenmill')"
+    expected = [
+        "using platform 'cpu': tokenmill.platforms.cpu:CpuPlatform " + source.format("platforms"),
+        "using attention backend 'cpu_sdpa': tokenmill.attention_backends.cpu_sdpa:CpuSdpaBackend "
+        + source.format("attention_backends"),
+        "using model 'LlamaForCausalLM': tokenmill.models.llama:LlamaForCausalLM "
+        + source.format("models"),
+    ]
+    logged = [(level, msg) for name, level, msg in tokenmill_log if name == "tokenmill.plugins"]
+    assert logged == [(logging.DEBUG, message) for message in expected]
 
 
 def test_runtime_registration_rejects_bad_input(site):
-    with pytest.raises(ValueError, match="'no_colon' must be 'module:Class'"):
+    with pytest.raises(ValueError, match="'no_colon' must be 'module:Class' or a class"):
         ModelRegistry.register_model("X", "no_colon")
+    with pytest.raises(ValueError, match="42 must be 'module:Class' or a class"):
+        plugins.register_platform("x", 42)
     with pytest.raises(ValueError, match="unknown plugin kind 'widgets'"):
         plugins.register("widgets", "x", "a:B")
 
@@ -366,3 +516,33 @@ def test_unknown_name_is_a_value_error_naming_it(site, tiny_llama, case):
         site.mp.setenv(var, value)
     with pytest.raises(ValueError, match=r"unknown (platform|attention backend) 'nope'"):
         choose(tiny_llama)
+
+
+def _doc_section(heading: str) -> str:
+    return DOCS.read_text().split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
+
+
+def test_tiny_checkpoint_recipe_in_docs_runs_and_warns_without_tokenizer(
+    site, tmp_path, monkeypatch, tokenmill_log
+):
+    """The docs' snippets, run in order: a tiny checkpoint without a tokenizer gives token ids,
+    empty text and one warning at start-up; with the byte tokenizer saved, text prompts work."""
+    section = _doc_section("Trying a plugin on a tiny checkpoint")
+    make, run, save_tokenizer, run_text = re.findall(r"```python\n(.*?)```", section, re.S)
+    warning = re.search(r"```text\n(.*?)\n```", section, re.S).group(1)
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    exec(make, namespace)
+    exec(run, namespace)
+    completion = namespace["completion"]
+    assert completion.token_ids and completion.text == ""
+    warnings = [msg for _, level, msg in tokenmill_log if level >= logging.WARNING]
+    assert warnings == [warning]
+    with pytest.raises(ValueError, match="this model has no tokenizer"):
+        namespace["llm"].generate("Hello", use_tqdm=False)
+
+    tokenmill_log.clear()
+    exec(save_tokenizer, namespace)
+    exec(run_text, namespace)
+    assert namespace["out"][0].prompt_token_ids == [39, 68, 75, 75, 78]
+    assert not [msg for _, level, msg in tokenmill_log if level >= logging.WARNING]

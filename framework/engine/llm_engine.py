@@ -4,6 +4,7 @@ its outputs into ``RequestOutput``s."""
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import time
 from dataclasses import replace
@@ -22,11 +23,20 @@ from tokenmill.sampling_params import SamplingParams
 
 PromptType = str | dict[str, Any]
 
+logger = logging.getLogger(__name__)
+
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config.finalize()
-        self.tokenizer = load_tokenizer(config.tokenizer or config.model_path)
+        tokenizer_path = config.tokenizer or config.model_path
+        self.tokenizer = load_tokenizer(tokenizer_path)
+        if self.tokenizer is None:
+            logger.warning(
+                "no tokenizer files in %s: prompts must be token ids "
+                "({'prompt_token_ids': [...]}) and outputs carry token ids with empty text",
+                tokenizer_path,
+            )
         self.engine_core = EngineCore(config)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.block_hasher = make_block_hasher(config.block_size, config.prefix_caching_hash_algo)

@@ -27,8 +27,9 @@ class ModelRegistry:
     """Architecture name -> lazily imported model class, filled by ``register_models`` hooks."""
 
     @staticmethod
-    def register_model(arch: str, target: str) -> None:
-        """Register ``arch`` at run time (this process only; workers see entry points only)."""
+    def register_model(arch: str, target: str | type) -> None:
+        """Register ``arch`` as a class or a ``"module:Class"`` path at run time (this process
+        only; workers see entry points only)."""
         plugins.register("models", arch, target)
 
     @staticmethod
@@ -41,8 +42,8 @@ class ModelRegistry:
         registry = plugins.get_registry("models")
         for arch in architectures or []:
             if arch in registry:
-                return registry.load(arch), arch
+                return registry.choose(arch), arch
         raise ValueError(
             f"model architectures {architectures} are not supported; "
-            f"registered: {', '.join(ModelRegistry.supported_archs()) or 'none'}"
+            f"registered: {', '.join(registry.names()) or 'none'}{registry.filter_suffix()}"
         )
