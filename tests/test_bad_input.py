@@ -106,6 +106,12 @@ def test_text_prompt_without_tokenizer(llm):
     _still_serving(llm)
 
 
+def test_stop_strings_without_tokenizer_are_refused(llm):
+    with pytest.raises(ValueError, match="stop strings need a tokenizer"):
+        llm.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(stop=["x"]), use_tqdm=False)
+    _still_serving(llm)
+
+
 def test_mismatched_sampling_params_count(llm):
     with pytest.raises(ValueError, match="2 sampling_params for 1 prompts"):
         llm.generate([GOOD], [SamplingParams(), SamplingParams()], use_tqdm=False)

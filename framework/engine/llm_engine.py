@@ -117,6 +117,10 @@ class LLMEngine:
             raise ValueError("sampling_params must be a SamplingParams")
         if request_id in self.output_processor.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if params.stop and self.tokenizer is None:
+            raise ValueError(
+                "stop strings need a tokenizer and this model has none; use stop_token_ids"
+            )
         text, ids = self.tokenize_prompt(prompt)
         params = params.clone()
         params.update_from_generation_config(self.generation_config, self.eos_token_id)
