@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
+from tqdm import tqdm
 
 from tokenmill.benchmarks.dataset import BenchRequest, random_requests
 
@@ -64,6 +65,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metric-percentiles", default="99")
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--output-json", default=None)
+    parser.add_argument(
+        "--disable-tqdm", action="store_true", help="no progress bar of finished requests"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -88,16 +92,20 @@ async def benchmark(args: argparse.Namespace) -> dict:
     ) as client:
         model = args.model or (await client.get("/v1/models")).json()["data"][0]["id"]
         semaphore = asyncio.Semaphore(args.max_concurrency or len(requests) or 1)
+        bar = tqdm(total=len(requests), desc="Requests", unit="req", disable=args.disable_tqdm)
 
         async def limited(request: BenchRequest) -> RequestResult:
             async with semaphore:
-                return await _send(client, args, model, request)
+                result = await _send(client, args, model, request)
+            bar.update(1)
+            return result
 
         start = time.perf_counter()
         tasks = []
-        async for request in _arrivals(requests, args.request_rate, args.burstiness, args.seed):
-            tasks.append(asyncio.create_task(limited(request)))
-        results = await asyncio.gather(*tasks)
+        with bar:
+            async for request in _arrivals(requests, args.request_rate, args.burstiness, args.seed):
+                tasks.append(asyncio.create_task(limited(request)))
+            results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
     report = _report(args, results, duration)
     _print_report(args, report)
