@@ -20,7 +20,6 @@ from tokenmill.cli import main
 from tokenmill.entrypoints.llm import LLM
 from tokenmill.interfaces.attention import AttentionConfig
 from tokenmill.platforms.cpu import CpuPlatform
-from tokenmill.selector import choose_attention_backend
 
 ENGINE_FLAGS = ["--num-kv-blocks", "32", "--block-size", "8", "--max-model-len", "128"]
 
@@ -105,6 +104,8 @@ def test_summary_names_who_chose_the_backend(tiny, caplog, monkeypatch):
 
 
 def test_automatic_choice_names_the_candidates_passed_over(monkeypatch):
+    from tokenmill.selector import choose_attention_backend
+
     class TwoCandidates(CpuPlatform):
         name = "two"
 
