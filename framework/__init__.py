@@ -2,7 +2,10 @@
 
 from typing import TYPE_CHECKING, Any
 
+from tokenmill.logger import configure_logging
 from tokenmill.plugins import hookimpl
+
+configure_logging()
 
 __version__ = "0.1.0"
 

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import logging
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from collections.abc import Callable
 from typing import Any
@@ -21,6 +23,9 @@ import gguf
 import numpy as np
 from safetensors.numpy import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+from tqdm import tqdm
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -76,10 +81,14 @@ def default_model_path() -> str:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}.", dir=target.parent))
     try:
-        _convert(gguf_path(), tmp)
+        src = gguf_path()
+        logger.info("converting %s into %s (once per cache) ...", src.name, target)
+        start = time.perf_counter()
+        _convert(src, tmp)
         for path in (tmp, *tmp.iterdir()):  # mkdtemp creates the directory owner-only
             path.chmod(0o755 if path.is_dir() else 0o644)
         os.rename(tmp, target)
+        logger.info("converted the default model in %.1f s", time.perf_counter() - start)
     except OSError:
         if not target.is_dir():  # rename failed for a reason other than losing a race
             raise
@@ -102,7 +111,7 @@ def _convert(src: Path, out: Path) -> None:
 
     n_head, n_kv = meta("llama.attention.head_count"), meta("llama.attention.head_count_kv")
     tensors: dict[str, np.ndarray] = {}
-    for t in reader.tensors:
+    for t in tqdm(reader.tensors, desc="Dequantizing GGUF tensors", unit="tensor"):
         w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
         if t.name.startswith("blk."):
             _, layer, kind, _ = t.name.split(".")
@@ -112,6 +121,8 @@ def _convert(src: Path, out: Path) -> None:
         else:
             name = _GLOBAL_TENSORS[t.name.removesuffix(".weight")]
         tensors[f"{name}.weight"] = np.ascontiguousarray(w)
+    size = sum(w.nbytes for w in tensors.values())
+    logger.info("writing %.0f MiB of float32 weights ...", size / 2**20)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
 
     hidden = meta("llama.embedding_length")

@@ -33,6 +33,10 @@ class RequestMetrics:
 
 @dataclass
 class RequestOutput:
+    """The outputs of one prompt. ``metrics`` times the request as a whole (from its first
+    completion scheduled to its last finished); ``completion_metrics`` times each of its
+    ``n`` completions, by index."""
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
@@ -40,3 +44,4 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    completion_metrics: list[RequestMetrics] | None = None

@@ -41,19 +41,43 @@ def select_attention_backend(
     ``config``, else the platform's candidates in order. Never silently substitutes: an explicit
     choice that cannot serve is an error with its reasons, and when no candidate fits the error
     lists each one with its reasons."""
+    return choose_attention_backend(platform, config, name)[0]
+
+
+def choose_attention_backend(
+    platform: type[Platform], config: AttentionConfig, name: str | None = None
+) -> tuple[type[AttentionBackend], str]:
+    """``select_attention_backend``'s choice and why it was made: who named it, or, when
+    chosen automatically, its rank among the platform's candidates and why those before it
+    were passed over."""
     registry = plugins.get_registry("attention_backends")
+    chosen_by = "attention_backend" if name else "TOKENMILL_ATTENTION_BACKEND"
     name = name or os.environ.get("TOKENMILL_ATTENTION_BACKEND") or None
     if name is not None:
         reasons = backend_reasons(name, config)
         if reasons:
             raise ValueError(f"attention backend {name!r} cannot be used: {'; '.join(reasons)}")
+<<<<<<< HEAD
         return registry.choose(name)
+=======
+        return registry.load(name), f"set by {chosen_by}"
+>>>>>>> i18-b
     candidates = platform.get_attn_backend_candidates(config)
     report = []
     for candidate in candidates:
         reasons = backend_reasons(candidate, config)
         if not reasons:
+<<<<<<< HEAD
             return registry.choose(candidate)
+=======
+            why = (
+                f"automatic: the first to serve the model among platform {platform.name}'s "
+                f"candidates {', '.join(candidates)}"
+            )
+            if report:
+                why += f"; passed over {' | '.join(report)}"
+            return registry.load(candidate), why
+>>>>>>> i18-b
         report.append(f"{candidate}: {'; '.join(reasons)}")
     raise ValueError(
         f"no attention backend of platform {platform.name!r} can serve {config}: "

@@ -11,6 +11,13 @@ import torch
 torch.set_num_threads(2)
 
 
+@pytest.fixture(autouse=True)
+def _tokenmill_logs_reach_caplog(monkeypatch):
+    """The ``tokenmill`` logger does not propagate (as vLLM's); in tests it does, so that
+    ``caplog`` sees its records."""
+    monkeypatch.setattr(logging.getLogger("tokenmill"), "propagate", True)
+
+
 def pytest_collection_modifyitems(config, items):
     has_gpu = torch.cuda.is_available()
     for item in items:

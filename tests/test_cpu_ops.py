@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+import re
+
 import pytest
 import torch
 
@@ -87,10 +90,14 @@ def fresh_load():
     cpu_ops.load.cache_clear()
 
 
-def test_builds_into_an_empty_cache(fresh_load, tmp_path, monkeypatch):
+def test_builds_into_an_empty_cache(fresh_load, tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path))
-    assert fresh_load() is not None
+    with caplog.at_level(logging.INFO, logger="tokenmill"):
+        assert fresh_load() is not None
     assert len(list((tmp_path / "kernels").glob("cpu_kernels_*.so"))) == 1
+    messages = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith("compiling CPU kernels with ") for m in messages), messages
+    assert any(re.fullmatch(r"compiled CPU kernels in \d+\.\d s", m) for m in messages), messages
 
 
 @pytest.mark.parametrize("setting", ["disabled", "no-compiler", "unwritable-cache"])

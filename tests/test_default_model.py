@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import importlib.metadata
+import logging
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -73,10 +75,20 @@ def test_second_call_reuses_cache(model_dir: str) -> None:
     assert weights.stat().st_mtime_ns == before
 
 
-def test_fresh_conversion_in_custom_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fresh_conversion_in_custom_cache(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path))
-    path = default_model_path()
+    with caplog.at_level(logging.INFO, logger="tokenmill"):
+        path = default_model_path()
     assert path == str(tmp_path / "models" / DEFAULT_MODEL_NAME)
+    assert re.search(r"Dequantizing GGUF tensors: 100%.* (\d+)/\1 ", capsys.readouterr().err)
+    messages = [r.getMessage() for r in caplog.records]
+    assert f"converting {default_model.gguf_path().name} into {path} (once per cache) ..." in messages
+    assert any(re.fullmatch(r"converted the default model in \d+\.\d s", m) for m in messages)
     mtime = os.stat(Path(path) / "model.safetensors").st_mtime_ns
     assert default_model_path() == path
     assert os.stat(Path(path) / "model.safetensors").st_mtime_ns == mtime

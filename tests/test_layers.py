@@ -334,6 +334,16 @@ def test_iter_weights_sharded_index(tmp_path) -> None:
             torch.testing.assert_close(loaded[name], tensor.bfloat16())
 
 
+def test_iter_weights_progress_over_every_shard(tmp_path, capsys) -> None:
+    save_file({"a": torch.ones(2), "b": torch.ones(2)}, tmp_path / "model-1.safetensors")
+    save_file({"c": torch.ones(2)}, tmp_path / "model-2.safetensors")
+    assert [n for n, _ in iter_weights(tmp_path)] == ["a", "b", "c"]
+    assert capsys.readouterr().err == ""
+    assert [n for n, _ in iter_weights(tmp_path, use_tqdm=True)] == ["a", "b", "c"]
+    final = capsys.readouterr().err.split("\r")[-1]
+    assert final.startswith("Loading weights: 100%") and "| 3/3 [" in final, final
+
+
 def test_iter_weights_single_file_and_fallback(tmp_path) -> None:
     save_file({"a": torch.ones(2)}, tmp_path / "model.safetensors")
     assert [n for n, _ in iter_weights(tmp_path)] == ["a"]

@@ -7,6 +7,7 @@ import json
 import time
 
 import numpy as np
+from tqdm import tqdm
 
 from tokenmill.benchmarks.dataset import random_requests
 
@@ -44,9 +45,11 @@ def run(args: argparse.Namespace) -> int:
         llm.generate(prompts, params, use_tqdm=False)
         return time.perf_counter() - start
 
-    for _ in range(args.num_iters_warmup):
+    for _ in tqdm(range(args.num_iters_warmup), desc="Warmup iterations"):
         once()
-    latencies = np.array([once() for _ in range(args.num_iters)])
+    latencies = np.array(
+        [once() for _ in tqdm(range(args.num_iters), desc="Profiling iterations")]
+    )
     print(f"Avg latency: {latencies.mean():.4f} seconds")
     for p in PERCENTILES:
         print(f"{p}% percentile latency: {np.percentile(latencies, p):.4f} seconds")

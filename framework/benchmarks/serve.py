@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
+from tqdm import tqdm
 
 from tokenmill.benchmarks.dataset import RANGE_RATIO_HELP, BenchRequest, random_requests
 
@@ -82,6 +83,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--api-key", default=None, help="send 'Authorization: Bearer KEY'")
     parser.add_argument("--output-json", default=None, help="file to write the results to as JSON")
+    parser.add_argument(
+        "--disable-tqdm", action="store_true", help="no progress bar of finished requests"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -106,16 +110,20 @@ async def benchmark(args: argparse.Namespace) -> dict:
     ) as client:
         model = args.model or (await client.get("/v1/models")).json()["data"][0]["id"]
         semaphore = asyncio.Semaphore(args.max_concurrency or len(requests) or 1)
+        bar = tqdm(total=len(requests), desc="Requests", unit="req", disable=args.disable_tqdm)
 
         async def limited(request: BenchRequest) -> RequestResult:
             async with semaphore:
-                return await _send(client, args, model, request)
+                result = await _send(client, args, model, request)
+            bar.update(1)
+            return result
 
         start = time.perf_counter()
         tasks = []
-        async for request in _arrivals(requests, args.request_rate, args.burstiness, args.seed):
-            tasks.append(asyncio.create_task(limited(request)))
-        results = await asyncio.gather(*tasks)
+        with bar:
+            async for request in _arrivals(requests, args.request_rate, args.burstiness, args.seed):
+                tasks.append(asyncio.create_task(limited(request)))
+            results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
     report = _report(args, results, duration)
     _print_report(args, report)

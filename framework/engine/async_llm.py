@@ -33,9 +33,14 @@ class EngineDeadError(RuntimeError):
 
 @dataclass
 class RequestStats:
-    """Sizes and timings (seconds) of one finished request, as handed to stat loggers."""
+    """Sizes and timings (seconds) of one finished request, as handed to stat loggers.
 
-    finish_reasons: list[str]
+    As in vLLM, where ``n > 1`` fans out into ``n`` engine requests, each completion of a
+    request is a request of its own here: an ``n = 2`` request is recorded twice, each time
+    with its completion's finish reason, tokens and times, and the prompt counted once each.
+    """
+
+    finish_reason: str
     num_prompt_tokens: int
     num_generation_tokens: int
     e2e_latency: float
@@ -300,33 +305,38 @@ class AsyncLLM:
     def _record(self, stream: RequestStream, output: RequestOutput) -> None:
         if not self.stat_loggers:
             return
-        stats = request_stats(output, stream)
-        for stat_logger in self.stat_loggers:
-            stat_logger.record_finished(stats)
+        for stats in request_stats(output, stream):
+            for stat_logger in self.stat_loggers:
+                stat_logger.record_finished(stats)
 
 
-def request_stats(output: RequestOutput, stream: RequestStream) -> RequestStats:
-    """Timings of a finished request from its monotonic timestamps; TPOT as in vLLM:
-    decode time over the tokens after the first (of the longest completion)."""
-    m = output.metrics
-    assert m is not None and m.finished_time is not None
-    longest = max(stream.num_generation_tokens.values(), default=0)
-    ttft = tpot = queue_time = None
-    if m.first_token_time is not None:
-        ttft = m.first_token_time - m.arrival_time
-        if longest > 1:
-            tpot = (m.finished_time - m.first_token_time) / (longest - 1)
-    if m.first_scheduled_time is not None:
-        queue_time = m.first_scheduled_time - m.arrival_time
-    return RequestStats(
-        finish_reasons=list(stream.finish_reasons.values()),
-        num_prompt_tokens=stream.num_prompt_tokens,
-        num_generation_tokens=sum(stream.num_generation_tokens.values()),
-        e2e_latency=m.finished_time - m.arrival_time,
-        queue_time=queue_time,
-        time_to_first_token=ttft,
-        time_per_output_token=tpot,
-    )
+def request_stats(output: RequestOutput, stream: RequestStream) -> list[RequestStats]:
+    """One ``RequestStats`` per completion of a finished request, from its monotonic
+    timestamps; TPOT as in vLLM: decode time over the tokens after the first."""
+    assert output.completion_metrics is not None
+    stats = []
+    for index, m in enumerate(output.completion_metrics):
+        assert m.finished_time is not None
+        num_tokens = stream.num_generation_tokens.get(index, 0)
+        ttft = tpot = queue_time = None
+        if m.first_token_time is not None:
+            ttft = m.first_token_time - m.arrival_time
+            if num_tokens > 1:
+                tpot = (m.finished_time - m.first_token_time) / (num_tokens - 1)
+        if m.first_scheduled_time is not None:
+            queue_time = m.first_scheduled_time - m.arrival_time
+        stats.append(
+            RequestStats(
+                finish_reason=stream.finish_reasons[index],
+                num_prompt_tokens=stream.num_prompt_tokens,
+                num_generation_tokens=num_tokens,
+                e2e_latency=m.finished_time - m.arrival_time,
+                queue_time=queue_time,
+                time_to_first_token=ttft,
+                time_per_output_token=tpot,
+            )
+        )
+    return stats
 
 
 def _hand_over(loop: asyncio.AbstractEventLoop | None, callback, *args: Any) -> None:

@@ -28,6 +28,11 @@ def determine_num_blocks(config: EngineConfig, specs: dict[str, KVCacheSpec]) ->
     return num_blocks
 
 
+def format_bytes(n: int) -> str:
+    """``n`` bytes in GiB, or in MiB below 1 GiB."""
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -41,6 +46,8 @@ class EngineCore:
             )
             config.max_model_len = capacity
         self.executor.initialize_kv_cache(num_blocks)
+        kv_bytes = num_blocks * sum(spec.page_size_bytes for spec in specs.values())
+        self._log_summary(num_blocks, kv_bytes)
         self.kv_cache_manager = KVCacheManager(
             num_blocks,
             config.block_size,
@@ -58,6 +65,26 @@ class EngineCore:
                 policy=config.scheduling_policy,
             ),
             self.kv_cache_manager,
+        )
+
+    def _log_summary(self, num_blocks: int, kv_bytes: int) -> None:
+        config = self.config
+        runner = self.executor.worker.model_runner
+        model_cls = type(runner.model)
+        logger.info(
+            "model %s.%s from %s, dtype %s, max_model_len %d; platform %s; "
+            "attention backend %s (%s); KV cache %d blocks of %d tokens (%s)",
+            model_cls.__module__,
+            model_cls.__qualname__,
+            config.model_path,
+            str(config.torch_dtype).removeprefix("torch."),
+            config.max_model_len,
+            config.platform_cls.name,
+            runner.attn_backend.get_name(),
+            runner.attn_backend_reason,
+            num_blocks,
+            config.block_size,
+            format_bytes(kv_bytes),
         )
 
     def max_prompt_tokens(self) -> int:

@@ -38,6 +38,7 @@ class RequestState:
     completions: list[CompletionOutput]
     detokenizers: list[IncrementalDetokenizer | None]
     metrics: RequestMetrics
+    completion_metrics: list[RequestMetrics]
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     num_cached_tokens: int = 0
     num_unfinished: int = field(init=False)
@@ -77,6 +78,7 @@ class RequestState:
             finished,
             self.num_cached_tokens,
             self.metrics,
+            self.completion_metrics,
         )
 
 
@@ -124,6 +126,7 @@ class OutputProcessor:
             completions,
             detokenizers,
             RequestMetrics(arrival_time),
+            [RequestMetrics(arrival_time) for _ in child_ids],
             output_kind,
         )
         self.requests[request_id] = state
@@ -141,8 +144,9 @@ class OutputProcessor:
                 continue
             state, index = entry
             completion = state.completions[index]
-            if state.metrics.first_token_time is None:
-                state.metrics.first_token_time = now
+            for metrics in (state.metrics, state.completion_metrics[index]):
+                if metrics.first_token_time is None:
+                    metrics.first_token_time = now
             state.num_cached_tokens = out.num_cached_tokens
             completion.token_ids.extend(out.new_token_ids)
             self.num_generated_tokens += len(out.new_token_ids)
@@ -167,11 +171,16 @@ class OutputProcessor:
         return ProcessedOutputs(_outputs(touched.values()), stopped)
 
     def mark_scheduled(self, child_ids: list[str], now: float) -> None:
-        """Note ``now`` as the first-scheduled time of these children's requests, if unset."""
+        """Note ``now`` as the first-scheduled time of these children and of their requests,
+        where unset."""
         for child_id in child_ids:
             entry = self.child_to_parent.get(child_id)
-            if entry is not None and entry[0].metrics.first_scheduled_time is None:
-                entry[0].metrics.first_scheduled_time = now
+            if entry is None:
+                continue
+            state, index = entry
+            for metrics in (state.metrics, state.completion_metrics[index]):
+                if metrics.first_scheduled_time is None:
+                    metrics.first_scheduled_time = now
 
     def abort(self, child_ids: list[str]) -> list[RequestOutput]:
         now = time.monotonic()
@@ -204,6 +213,7 @@ class OutputProcessor:
     ) -> None:
         completion.finish_reason = finish_reason
         completion.stop_reason = stop_reason
+        state.completion_metrics[completion.index].finished_time = now
         del self.child_to_parent[child_id]
         state.num_unfinished -= 1
         if state.num_unfinished == 0:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -13,6 +14,8 @@ from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
 Message = dict[str, str]
+SPEED_REFRESH_S = 0.5
+"""How often the progress bar's output-speed estimate is refreshed."""
 
 
 class LLM:
@@ -104,12 +107,19 @@ class LLM:
         wanted = set(request_ids)
         finished: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm)
+        generated_before = engine.output_processor.num_generated_tokens
+        shown = time.monotonic()
         try:
             while engine.has_unfinished_requests():
                 for output in engine.step():
                     if output.finished and output.request_id in wanted:
                         finished[output.request_id] = output
                         bar.update(1)
+                if use_tqdm and time.monotonic() - shown >= SPEED_REFRESH_S:
+                    shown = time.monotonic()
+                    generated = engine.output_processor.num_generated_tokens - generated_before
+                    speed = generated / bar.format_dict["elapsed"]
+                    bar.set_postfix_str(f"est. speed output: {speed:.1f} toks/s")
         except BaseException:
             engine.abort_request([r for r in request_ids if r not in finished])
             raise

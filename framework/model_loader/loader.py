@@ -60,7 +60,7 @@ def load_model(
     # Quantization methods get checkpoint tensors as stored (scales keep their precision).
     dtype = build_ctx.dtype if build_ctx.quant_method is None else None
     with torch.no_grad():
-        loaded = model.load_weights(iter_weights(model_dir, dtype))
+        loaded = model.load_weights(iter_weights(model_dir, dtype, use_tqdm=True))
         if isinstance(loaded, set):
             missing = sorted(set(dict(model.named_parameters())) - loaded)
             if missing:

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from tqdm import tqdm
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -36,20 +38,28 @@ def safetensors_files(model_dir: str | Path) -> list[Path]:
 
 
 def iter_weights(
-    model_dir: str | Path, dtype: torch.dtype | None = None
+    model_dir: str | Path, dtype: torch.dtype | None = None, use_tqdm: bool = False
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, tensor)`` for every tensor of the checkpoint, one at a time, on the CPU.
 
     With ``dtype``, 16/32-bit float tensors are converted as they are read; other dtypes
-    (integer or fp8 quantized weights) are left as stored.
+    (integer or fp8 quantized weights) are left as stored. ``use_tqdm`` shows a progress bar
+    over the tensors on stderr.
     """
-    for path in safetensors_files(model_dir):
-        with safe_open(path, framework="pt", device="cpu") as f:
-            for name in f.keys():
-                tensor = f.get_tensor(name)
-                if dtype is not None and tensor.dtype in _CONVERTIBLE:
-                    tensor = tensor.to(dtype)
-                yield name, tensor
+    with ExitStack() as stack:
+        files = [
+            stack.enter_context(safe_open(path, framework="pt", device="cpu"))
+            for path in safetensors_files(model_dir)
+        ]
+        total = sum(len(f.keys()) for f in files)
+        with tqdm(total=total, desc="Loading weights", unit="tensor", disable=not use_tqdm) as bar:
+            for f in files:
+                for name in f.keys():
+                    tensor = f.get_tensor(name)
+                    if dtype is not None and tensor.dtype in _CONVERTIBLE:
+                        tensor = tensor.to(dtype)
+                    yield name, tensor
+                    bar.update(1)
 
 
 def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:

@@ -17,6 +17,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import time
 from functools import cache
 from pathlib import Path
 
@@ -49,6 +50,10 @@ def _cpu_signature() -> str:
 def _build(compiler: str, target: Path) -> bool:
     csrc = Path(__file__).parent / "csrc"
     target.parent.mkdir(parents=True, exist_ok=True)
+    logger.info(
+        "compiling CPU kernels with %s (once per machine, cached in %s) ...", compiler, target.parent
+    )
+    start = time.perf_counter()
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / "kernels.so"
         proc = subprocess.run(
@@ -61,6 +66,7 @@ def _build(compiler: str, target: Path) -> bool:
             logger.warning("CPU kernels failed to build; using torch ops instead:\n%s", proc.stderr)
             return False
         os.replace(built, target)
+    logger.info("compiled CPU kernels in %.1f s", time.perf_counter() - start)
     return True
 
 

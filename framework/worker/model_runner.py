@@ -28,7 +28,7 @@ from tokenmill.layers.build_context import BuildContext
 from tokenmill.model_loader.loader import load_model
 from tokenmill.sample.sampler import Sampler, SamplerOutput, SamplingMetadata
 from tokenmill.sampling_params import GREEDY_TEMPERATURE_EPS, SamplingParams
-from tokenmill.selector import select_attention_backend
+from tokenmill.selector import choose_attention_backend
 from tokenmill.worker.cuda_graph import CudaGraphRunner
 from tokenmill.worker.input_batch import CachedRequestState, InputBatch
 
@@ -63,7 +63,8 @@ class ModelRunner:
             device_type=config.platform_cls.device_type,
             sliding_window=_sliding_window(config.hf_config),
         )
-        self.attn_backend: type[AttentionBackend] = select_attention_backend(
+        self.attn_backend: type[AttentionBackend]
+        self.attn_backend, self.attn_backend_reason = choose_attention_backend(
             config.platform_cls, attn_config, config.attention_backend
         )
         self.sampler = Sampler()

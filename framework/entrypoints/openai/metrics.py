@@ -2,7 +2,13 @@
 
 Request histograms and the success counter are recorded as requests finish; the engine's
 counters and gauges (tokens, KV blocks, prefix cache, preemptions) are read from its
-latest ``get_stats()`` at each scrape."""
+latest ``get_stats()`` at each scrape.
+
+Every per-request series counts completions, vLLM's convention (its engine runs a request
+with ``n > 1`` as ``n`` child requests): an ``n = 2`` request adds 2 to
+``request_success_total`` and to the count of each request histogram (TTFT, TPOT, end to end,
+queue time), each observation timing one completion, and its prompt twice to
+``prompt_tokens_total``."""
 
 from __future__ import annotations
 
@@ -176,8 +182,7 @@ class PrometheusMetrics:
         ).labels(self.model_name)
 
     def record_finished(self, stats: RequestStats) -> None:
-        for reason in stats.finish_reasons:
-            self.request_success.labels(self.model_name, reason).inc()
+        self.request_success.labels(self.model_name, stats.finish_reason).inc()
         self.e2e.observe(stats.e2e_latency)
         if stats.time_to_first_token is not None:
             self.ttft.observe(stats.time_to_first_token)

@@ -1,0 +1,54 @@
+"""Prometheus metrics for ``n > 1``: as in vLLM, each completion counts as a request in every
+per-request series, so counters and histograms agree."""
+
+from __future__ import annotations
+
+import asyncio
+
+from conftest import make_tiny_checkpoint, save_byte_tokenizer
+from prometheus_client.parser import text_string_to_metric_families
+
+from tokenmill.engine.async_llm import AsyncLLM
+from tokenmill.entrypoints.openai.metrics import PrometheusMetrics
+from tokenmill.sampling_params import SamplingParams
+
+PROMPT = "hello"
+
+
+def samples(metrics: PrometheusMetrics) -> dict[str, float]:
+    """Sample name -> value, summed over labels, without buckets."""
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(metrics.render().decode()):
+        for s in family.samples:
+            if not s.name.endswith("_bucket"):
+                out[s.name] = out.get(s.name, 0.0) + s.value
+    return out
+
+
+def test_n2_request_counts_two_requests_in_every_series(tmp_path):
+    path = make_tiny_checkpoint(tmp_path / "m")
+    save_byte_tokenizer(path)
+    engine = AsyncLLM.from_engine_args(model=path, num_kv_blocks=32, block_size=8, max_model_len=64)
+    metrics = PrometheusMetrics(engine.get_stats, "tiny")
+    engine.stat_loggers.append(metrics)
+    params = SamplingParams(n=2, temperature=1.0, seed=0, max_tokens=4, ignore_eos=True)
+
+    async def run() -> None:
+        async for _ in engine.generate(PROMPT, params):
+            pass
+
+    try:
+        asyncio.run(run())
+    finally:
+        engine.shutdown()
+    m = samples(metrics)
+    assert m["tokenmill:request_success_total"] == 2
+    for name in (
+        "time_to_first_token_seconds",
+        "e2e_request_latency_seconds",
+        "request_time_per_output_token_seconds",
+        "request_queue_time_seconds",
+    ):
+        assert m[f"tokenmill:{name}_count"] == 2, name
+    assert m["tokenmill:prompt_tokens_total"] == 2 * len(PROMPT)
+    assert m["tokenmill:generation_tokens_total"] == 2 * 4
