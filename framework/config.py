@@ -11,7 +11,6 @@ import torch
 
 from tokenmill.core.kv_cache_utils import check_hash_algo
 from tokenmill.engine_args import (
-    DEFAULT_GPU_MEMORY_UTILIZATION,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     MAX_DEFAULT_MODEL_LEN,
     EngineArgs,

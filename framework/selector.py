@@ -57,27 +57,19 @@ def choose_attention_backend(
         reasons = backend_reasons(name, config)
         if reasons:
             raise ValueError(f"attention backend {name!r} cannot be used: {'; '.join(reasons)}")
-<<<<<<< HEAD
-        return registry.choose(name)
-=======
-        return registry.load(name), f"set by {chosen_by}"
->>>>>>> i18-b
+        return registry.choose(name), f"set by {chosen_by}"
     candidates = platform.get_attn_backend_candidates(config)
     report = []
     for candidate in candidates:
         reasons = backend_reasons(candidate, config)
         if not reasons:
-<<<<<<< HEAD
-            return registry.choose(candidate)
-=======
             why = (
                 f"automatic: the first to serve the model among platform {platform.name}'s "
                 f"candidates {', '.join(candidates)}"
             )
             if report:
                 why += f"; passed over {' | '.join(report)}"
-            return registry.load(candidate), why
->>>>>>> i18-b
+            return registry.choose(candidate), why
         report.append(f"{candidate}: {'; '.join(reasons)}")
     raise ValueError(
         f"no attention backend of platform {platform.name!r} can serve {config}: "

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tokenmill.config import DEFAULT_GPU_MEMORY_UTILIZATION
+from tokenmill.engine_args import DEFAULT_GPU_MEMORY_UTILIZATION
 from tokenmill.interfaces.attention import AttentionConfig
 from tokenmill.interfaces.platform import Platform
 
