@@ -13,6 +13,7 @@ from dataclasses import Field, fields
 from typing import TYPE_CHECKING, Any
 
 from tokenmill.engine_args import EngineArgs
+from tokenmill.plugins import PluginError
 
 if TYPE_CHECKING:
     from tokenmill.entrypoints.llm import LLM
@@ -196,7 +197,7 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     import torch
 
     from tokenmill.interfaces.attention import AttentionConfig
-    from tokenmill.plugins import KINDS, PluginError, get_plugin_manager
+    from tokenmill.plugins import KINDS, get_plugin_manager
     from tokenmill.selector import backend_reasons, select_platform
 
     manager = get_plugin_manager(strict=False)
@@ -275,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, PluginError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -274,6 +274,14 @@ def test_plugins_command_lists_healthy_parts_and_the_broken_plugin(site, case, c
     )
 
 
+def test_generate_with_a_broken_plugin_is_an_error_not_a_traceback(site, tiny_llama, capsys):
+    message = _install_broken(site, "misspelled-hook")
+    with pytest.raises(PluginError):
+        plugins.reload_plugins()
+    assert cli.main(["generate", "x", "--model", tiny_llama]) == 2
+    assert capsys.readouterr().err.strip().endswith(f"error: {message}")
+
+
 def test_plugins_command_lists_unimportable_platform(site, capsys):
     site.install(
         "ghost-dist",
