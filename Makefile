@@ -8,8 +8,9 @@ install:
 demo: install
 	$(PYTHON) -m tokenmill chat "What is the capital of France?" --max-tokens 48
 
+# --fail-on-skip: a skipped test fails the run unless it is marked gpu (tests/conftest.py).
 test: install
-	$(PYTHON) -m pytest -q
+	$(PYTHON) -m pytest -q --fail-on-skip
 
 test-fast: install
-	$(PYTHON) -m pytest -q -m "not slow"
+	$(PYTHON) -m pytest -q --fail-on-skip -m "not slow"
