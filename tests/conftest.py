@@ -1,14 +1,30 @@
-"""Shared fixtures: the default model, its HF twin, and tiny random checkpoints."""
+"""Shared fixtures (the default model, its HF twin, tiny random checkpoints), Triton's
+interpreter when there is no GPU, and `--fail-on-skip`."""
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterator
 
 import pytest
 import torch
 
 torch.set_num_threads(2)
+
+if not torch.cuda.is_available():
+    # Without a GPU the Triton kernels run under the interpreter, which ``triton.jit`` chooses
+    # when a function is defined; torch._dynamo imports triton while other test modules load,
+    # so the variable is set here, before any of them.
+    os.environ["TRITON_INTERPRET"] = "1"
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--fail-on-skip",
+        action="store_true",
+        help="fail every skipped test that is not marked gpu (make test and CI use this)",
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -23,6 +39,36 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not has_gpu:
             item.add_marker(pytest.mark.skip(reason="needs a GPU"))
+
+
+def _fail_skip(report, node) -> None:
+    """Under ``--fail-on-skip``, turn a skip of a test not marked ``gpu`` into a failure."""
+    if (
+        report.skipped
+        and not hasattr(report, "wasxfail")
+        and node.config.getoption("--fail-on-skip")
+        and node.get_closest_marker("gpu") is None
+    ):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
+        report.outcome = "failed"
+        report.longrepr = (
+            "skipped under --fail-on-skip (only gpu tests may skip): "
+            + str(reason).removeprefix("Skipped: ")
+        )
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    _fail_skip(report, item)
+    return report
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector):
+    report = yield
+    _fail_skip(report, collector)
+    return report
 
 
 @pytest.fixture(scope="session")

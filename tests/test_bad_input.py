@@ -118,6 +118,22 @@ def test_mismatched_sampling_params_count(llm):
     _still_serving(llm)
 
 
+@pytest.mark.parametrize(
+    "params, got",
+    [
+        ({"temperature": 0, "max_tokens": 2}, "got dict"),
+        ([{"max_tokens": 2}], "got a list holding a dict"),
+        ("greedy", "got str"),
+    ],
+)
+def test_sampling_params_of_the_wrong_type(llm, params, got):
+    with pytest.raises(
+        TypeError, match=f"^sampling_params must be a SamplingParams or a list of them, {got}$"
+    ):
+        llm.generate(GOOD, params, use_tqdm=False)
+    _still_serving(llm)
+
+
 def test_duplicate_request_id(llm):
     engine = llm.llm_engine
     engine.add_request("dup", GOOD, SamplingParams(max_tokens=2))

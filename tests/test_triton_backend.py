@@ -4,9 +4,6 @@ with the reasons, never replaced."""
 
 from __future__ import annotations
 
-import importlib
-import sys
-
 import pytest
 import torch
 
@@ -19,39 +16,13 @@ from tokenmill.platforms.cpu import CpuPlatform
 from tokenmill.selector import select_attention_backend
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-KERNELS = "tokenmill.attention_backends.triton_kernels"
 
-
-def _import_triton() -> None:
-    """On the CPU, import triton and the kernels under ``TRITON_INTERPRET=1``: ``triton.jit``
-    picks the interpreter when a function is defined, triton's own helpers included, so this
-    has to come before any other import of triton in the process."""
-    with pytest.MonkeyPatch.context() as mp:
-        if DEVICE == "cpu":
-            mp.setenv("TRITON_INTERPRET", "1")
-        triton = pytest.importorskip("triton")
-        if KERNELS in sys.modules:
-            importlib.reload(sys.modules[KERNELS])
-        else:
-            importlib.import_module(KERNELS)
-    if DEVICE == "cpu" and type(triton.language.sum).__name__ != "InterpretedFunction":
-        pytest.skip(
-            "triton was imported before TRITON_INTERPRET=1 could be set; run this file alone",
-            allow_module_level=True,
-        )
-
-
-_import_triton()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def triton_env():
-    """``TRITON_INTERPRET=1`` while this module's tests run on the CPU (triton reads it again
-    when it launches a kernel)."""
-    with pytest.MonkeyPatch.context() as mp:
-        if DEVICE == "cpu":
-            mp.setenv("TRITON_INTERPRET", "1")
-        yield
+triton = pytest.importorskip("triton")
+if DEVICE == "cpu" and type(triton.language.sum).__name__ != "InterpretedFunction":
+    raise RuntimeError(
+        "triton was imported without TRITON_INTERPRET=1 on a machine without a GPU "
+        "(tests/conftest.py sets it before any test module loads)"
+    )
 
 
 # (num_heads, num_kv_heads, head_size, block_size): MHA, GQA 4:1, GQA 3:1, MQA

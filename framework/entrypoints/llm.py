@@ -40,14 +40,24 @@ class LLM:
         ``priority`` (one per prompt, lower first) matters with ``scheduling_policy="priority"``.
         A prompt dict may carry a ``cache_salt``: only prompts with equal salts share
         prefix-cache blocks, which keeps tenants of one engine apart.
-        Invalid prompts or parameters raise ``ValueError`` before anything runs."""
+        Invalid prompts or parameters raise ``ValueError`` (``TypeError`` for a
+        ``sampling_params`` of the wrong type) before anything runs."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
+        expected = "sampling_params must be a SamplingParams or a list of them"
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params or SamplingParams()] * len(prompts)
+        elif not isinstance(sampling_params, Sequence) or isinstance(sampling_params, str):
+            raise TypeError(f"{expected}, got {type(sampling_params).__name__}")
         else:
             params_list = list(sampling_params)
+            for params in params_list:
+                if not isinstance(params, SamplingParams):
+                    raise TypeError(
+                        f"{expected}, got a {type(sampling_params).__name__} holding a "
+                        f"{type(params).__name__}"
+                    )
             if len(params_list) != len(prompts):
                 raise ValueError(
                     f"got {len(params_list)} sampling_params for {len(prompts)} prompts"
