@@ -1,9 +1,11 @@
-"""The CPU platform: float32 by default, KV cache in host memory."""
+"""The CPU platform: float32 by default, KV cache in host memory, the C kernels of
+``tokenmill.ops.cpu`` as its op table."""
 
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -13,6 +15,9 @@ from tokenmill.ops import cpu as cpu_ops
 
 if TYPE_CHECKING:
     from tokenmill.config import EngineConfig
+    from tokenmill.layers.activation import SiluAndMul
+    from tokenmill.layers.layernorm import RMSNorm
+    from tokenmill.layers.rotary_embedding import RotaryEmbedding
 
 DEFAULT_KV_CACHE_BYTES = 2 << 30
 
@@ -26,11 +31,53 @@ def _cpu_has_fast_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+def rms_norm(
+    layer: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm by the C kernels; the fused form needs ``x`` and ``residual`` contiguous and of
+    one shape."""
+    if cpu_ops.supports(x, residual, layer.weight):
+        if residual is None:
+            return cpu_ops.rms_norm(x, layer.weight, layer.variance_epsilon)
+        if x.is_contiguous() and residual.is_contiguous() and x.shape == residual.shape:
+            return cpu_ops.fused_add_rms_norm(x, residual, layer.weight, layer.variance_epsilon)
+    return layer.forward_native(x, residual)
+
+
+def silu_and_mul(layer: SiluAndMul, x: torch.Tensor) -> torch.Tensor:
+    if cpu_ops.supports(x):
+        return cpu_ops.silu_and_mul(x)
+    return layer.forward_native(x)
+
+
+def rotary_embedding(
+    layer: RotaryEmbedding, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE in place on flat 2-D ``query`` and ``key``."""
+    if query.dim() == 2 and cpu_ops.supports(query, key, layer.cos_sin_cache):
+        cpu_ops.rotary_embedding(
+            positions,
+            query,
+            key,
+            layer.cos_sin_cache,
+            layer.head_size,
+            layer.rotary_dim,
+            layer.is_neox_style,
+        )
+        return query, key
+    return layer.forward_native(positions, query, key)
+
+
 class CpuPlatform(Platform):
     name = "cpu"
     device_type = "cpu"
     supported_dtypes = (torch.float32, torch.bfloat16, torch.float16)
     detection_priority = 0
+    custom_ops = {
+        "rms_norm": rms_norm,
+        "silu_and_mul": silu_and_mul,
+        "rotary_embedding": rotary_embedding,
+    }
 
     @classmethod
     def is_available(cls) -> bool:
@@ -46,6 +93,13 @@ class CpuPlatform(Platform):
         if model_dtype == torch.bfloat16 and _cpu_has_fast_bf16():
             return torch.bfloat16
         return torch.float32
+
+    @classmethod
+    def get_ops(cls) -> dict[str, Callable[..., Any]]:
+        """The C kernels' ops, each falling back to ``forward_native`` for tensors the kernels
+        don't take (not float32, features strided); none where the kernels cannot be built or
+        ``TOKENMILL_DISABLE_CPU_KERNELS`` is set."""
+        return super().get_ops() if cpu_ops.load() is not None else {}
 
     @classmethod
     def import_kernels(cls) -> None:

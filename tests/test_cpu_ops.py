@@ -1,4 +1,5 @@
-"""The compiled CPU kernels against the torch paths the layers fall back to."""
+"""The compiled CPU kernels, through the CPU platform's op table, against the layers'
+``forward_native``."""
 
 from __future__ import annotations
 
@@ -14,16 +15,34 @@ from tokenmill.layers.layernorm import RMSNorm
 from tokenmill.layers.rotary_embedding import RotaryEmbedding
 from tokenmill.attention_backends.torch_ref import TorchRefBackend
 from tokenmill.ops import cpu as cpu_ops
+from tokenmill.platforms.cpu import CpuPlatform
 
 
 @pytest.fixture(autouse=True)
-def kernels_built():
+def cpu_platform_ops():
+    """Layers built in these tests take the CPU platform's op table, as an engine's do."""
     assert cpu_ops.load() is not None, "the C kernels should build on this machine"
+    with model_build_context(BuildContext(TorchRefBackend, ops=CpuPlatform.get_ops())):
+        yield
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch) -> dict[str, int]:
+    """Counts calls of each layer kernel of ``cpu_ops``."""
+    calls = dict.fromkeys(["rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding"], 0)
+    for name in calls:
+        kernel = getattr(cpu_ops, name)
+
+        def counted(*args, _name=name, _kernel=kernel):
+            calls[_name] += 1
+            return _kernel(*args)
+
+        monkeypatch.setattr(cpu_ops, name, counted)
+    return calls
 
 
 def make_norm(n: int) -> RMSNorm:
-    with model_build_context(BuildContext(attn_backend=TorchRefBackend)):
-        norm = RMSNorm(n, eps=1e-5)
+    norm = RMSNorm(n, eps=1e-5)
     norm.weight.data.normal_()
     return norm
 
@@ -77,6 +96,50 @@ def test_disabled_kernels_fall_back(monkeypatch):
     torch.testing.assert_close(SiluAndMul()(x), SiluAndMul().forward_native(x))
 
 
+def test_op_table_calls_the_kernels(kernel_calls):
+    assert set(CpuPlatform.get_ops()) == {"rms_norm", "silu_and_mul", "rotary_embedding"}
+    norm, x = make_norm(16), torch.randn(4, 16)
+    torch.testing.assert_close(norm(x), norm.forward_native(x))
+    norm(x.clone(), x.clone())
+    SiluAndMul()(torch.randn(4, 16))
+    rope = RotaryEmbedding(8, 8, 64, 10000.0)
+    rope(torch.arange(4), torch.randn(4, 16), torch.randn(4, 8))
+    assert kernel_calls == dict.fromkeys(kernel_calls, 1)
+
+
+def test_layers_built_without_the_table_use_forward_native(kernel_calls):
+    with model_build_context(BuildContext(TorchRefBackend)):
+        norm, act = make_norm(16), SiluAndMul()
+    x = torch.randn(4, 16)
+    norm(x)
+    act(x)
+    assert sum(kernel_calls.values()) == 0
+
+
+@pytest.mark.parametrize(
+    "case", ["bfloat16", "strided-features", "residual-of-another-shape", "3-d-rope"]
+)
+def test_inputs_the_kernels_dont_take_use_forward_native(kernel_calls, case):
+    norm = make_norm(16)
+    if case == "bfloat16":
+        x = torch.randn(4, 16, dtype=torch.bfloat16)
+        torch.testing.assert_close(SiluAndMul()(x), SiluAndMul().forward_native(x))
+    elif case == "strided-features":
+        x = torch.randn(16, 4).t()
+        torch.testing.assert_close(norm(x), norm.forward_native(x))
+        torch.testing.assert_close(SiluAndMul()(x), SiluAndMul().forward_native(x))
+    elif case == "residual-of-another-shape":
+        x, residual = torch.randn(4, 16), torch.randn(1, 16)
+        torch.testing.assert_close(norm(x, residual), norm.forward_native(x, residual))
+    else:
+        rope = RotaryEmbedding(8, 8, 64, 10000.0)
+        positions, q, k = torch.arange(4), torch.randn(4, 2, 8), torch.randn(4, 1, 8)
+        want = rope.forward_native(positions, q.flatten(1), k.flatten(1))
+        got = rope(positions, q, k)
+        torch.testing.assert_close(got[0].flatten(1), want[0])
+    assert sum(kernel_calls.values()) == 0
+
+
 def test_other_dtypes_use_torch():
     assert not cpu_ops.supports(torch.randn(2, 8, dtype=torch.bfloat16))
     assert not cpu_ops.supports(torch.randn(8, 2).t())
@@ -115,3 +178,4 @@ def test_unavailable_kernels_leave_torch_paths(fresh_load, tmp_path, monkeypatch
     x = torch.randn(3, 16)
     assert not cpu_ops.supports(x)
     torch.testing.assert_close(SiluAndMul()(x), SiluAndMul().forward_native(x))
+    assert CpuPlatform.get_ops() == {}

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+import importlib
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -23,6 +25,10 @@ class Platform:
     """Quantization methods it runs; empty: any registered method (as in vLLM)."""
     detection_priority: ClassVar[int] = 0
     """Among available built-in platforms the highest priority wins (CUDA over CPU)."""
+    custom_ops: ClassVar[Mapping[str, Callable[..., Any] | str]] = {}
+    """The op table: op name (a layer's ``op_name``: ``"rms_norm"``, ``"silu_and_mul"``,
+    ``"rotary_embedding"``) -> ``op(layer, *args)`` replacing that layer's ``forward_native``,
+    or the op's ``"module:function"`` path. Layers without an entry use ``forward_native``."""
 
     @classmethod
     def is_available(cls) -> bool:
@@ -53,6 +59,18 @@ class Platform:
         """Adjust or reject an engine configuration for this platform."""
 
     @classmethod
+    def get_ops(cls) -> dict[str, Callable[..., Any]]:
+        """``custom_ops`` with every path imported: the op table a model is built with (once per
+        engine)."""
+        return {name: _resolve_op(cls.name, name, op) for name, op in cls.custom_ops.items()}
+
+    @classmethod
+    def supports_cuda_graphs(cls, config: EngineConfig) -> bool:
+        """Whether decode steps may be captured and replayed as CUDA graphs (``enforce_eager``
+        turns them off on any platform)."""
+        return False
+
+    @classmethod
     def import_kernels(cls) -> None:
         """Import compiled kernels the platform needs, once per process."""
 
@@ -76,3 +94,13 @@ class Platform:
     @classmethod
     def set_num_threads(cls, config: EngineConfig) -> None:
         """Apply thread settings for the current process."""
+
+
+def _resolve_op(platform: str, name: str, op: Callable[..., Any] | str) -> Callable[..., Any]:
+    if callable(op):
+        return op
+    module_name, _, attr = op.partition(":")
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise ImportError(f"platform {platform!r}: cannot import op {name!r} from {op!r}: {e}") from e

@@ -6,16 +6,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.ops import cpu as cpu_ops
+from tokenmill.layers.custom_op import CustomOp
 
 
-class SiluAndMul(nn.Module):
+class SiluAndMul(CustomOp):
     """Gated SiLU for fused gate/up projections: ``[..., 2d] -> silu(x[..., :d]) * x[..., d:]``."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if cpu_ops.supports(x):
-            return cpu_ops.silu_and_mul(x)
-        return self.forward_native(x)
+    op_name = "silu_and_mul"
 
     def forward_native(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = x.chunk(2, dim=-1)

@@ -7,10 +7,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.layers.build_context import current_build_context
-from tokenmill.ops import cpu as cpu_ops
+from tokenmill.layers.custom_op import CustomOp
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(CustomOp):
     """``x / rms(x) * weight``, computed in float32 and returned in the input dtype.
 
     ``forward(x)`` returns the normed tensor. ``forward(x, residual)`` first forms
@@ -19,22 +19,14 @@ class RMSNorm(nn.Module):
     its results into ``x`` and ``residual`` (the CPU kernel does): use the returned tensors.
     """
 
+    op_name = "rms_norm"
+
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.variance_epsilon = eps
         self.weight = nn.Parameter(
             torch.ones(hidden_size, dtype=current_build_context().dtype), requires_grad=False
         )
-
-    def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if cpu_ops.supports(x, residual, self.weight):
-            if residual is None:
-                return cpu_ops.rms_norm(x, self.weight, self.variance_epsilon)
-            if x.is_contiguous() and residual.is_contiguous() and x.shape == residual.shape:
-                return cpu_ops.fused_add_rms_norm(x, residual, self.weight, self.variance_epsilon)
-        return self.forward_native(x, residual)
 
     def forward_native(
         self, x: torch.Tensor, residual: torch.Tensor | None = None

@@ -6,12 +6,11 @@ import math
 from typing import Any
 
 import torch
-from torch import nn
+from tokenmill.layers.build_context import current_ops
+from tokenmill.layers.custom_op import CustomOp
 
-from tokenmill.ops import cpu as cpu_ops
 
-
-class RotaryEmbedding(nn.Module):
+class RotaryEmbedding(CustomOp):
     """Applies RoPE to flat ``q`` [T, H*D] and ``k`` [T, KVH*D] at ``positions`` [T].
 
     The first ``rotary_dim`` features of each head rotate; the rest pass through.
@@ -19,6 +18,8 @@ class RotaryEmbedding(nn.Module):
     interleaved pairs (GPT-J). As in vLLM, ``forward`` may rotate ``q`` and ``k`` in place (the
     CPU kernel does): use the returned tensors.
     """
+
+    op_name = "rotary_embedding"
 
     def __init__(
         self,
@@ -67,22 +68,6 @@ class RotaryEmbedding(nn.Module):
         if self.rotary_dim < self.head_size:
             out[..., self.rotary_dim :] = x[..., self.rotary_dim :]
         return out.view(shape)
-
-    def forward(
-        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if query.dim() == 2 and cpu_ops.supports(query, key, self.cos_sin_cache):
-            cpu_ops.rotary_embedding(
-                positions,
-                query,
-                key,
-                self.cos_sin_cache,
-                self.head_size,
-                self.rotary_dim,
-                self.is_neox_style,
-            )
-            return query, key
-        return self.forward_native(positions, query, key)
 
     def forward_native(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
@@ -178,7 +163,7 @@ def get_rope(
     is_neox_style: bool = True,
 ) -> RotaryEmbedding:
     """A rotary embedding for the given settings, shared by every layer that asks for the same
-    settings on the same device (the cos/sin cache can be large)."""
+    settings on the same device with the same op (the cos/sin cache can be large)."""
     scaling = dict(rope_scaling or {})
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     key = (
@@ -189,6 +174,7 @@ def get_rope(
         tuple(sorted((k, str(v)) for k, v in scaling.items())),
         is_neox_style,
         str(torch.get_default_device()),
+        current_ops().get(RotaryEmbedding.op_name),
     )
     if key in _ROPE_CACHE:
         return _ROPE_CACHE[key]

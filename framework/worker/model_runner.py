@@ -84,7 +84,13 @@ class ModelRunner:
             quant = method_cls.from_config(
                 getattr(self.config.hf_config, "quantization_config", None) or {}
             )
-        ctx = BuildContext(self.attn_backend, self.config.torch_dtype, quant, self.config.kv_cache_dtype)
+        ctx = BuildContext(
+            self.attn_backend,
+            self.config.torch_dtype,
+            quant,
+            self.config.kv_cache_dtype,
+            self.config.platform_cls.get_ops(),
+        )
         self.model = load_model(self.config.model_path, self.config.hf_config, ctx, self.device)
 
     def attention_layers(self) -> dict[str, Attention]:
