@@ -69,6 +69,10 @@ class CudaPlatform(Platform):
             )
 
     @classmethod
+    def supports_cuda_graphs(cls, config: EngineConfig) -> bool:
+        return True
+
+    @classmethod
     def device(cls, rank: int = 0) -> torch.device:
         """The rank's GPU, made the process's current CUDA device."""
         device = torch.device("cuda", rank)

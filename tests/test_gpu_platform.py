@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
 from tokenmill.config import EngineConfig
 from tokenmill.interfaces.attention import AttentionConfig
+from tokenmill.platforms.cpu import CpuPlatform
 from tokenmill.platforms.cuda import CudaPlatform
 from tokenmill.platforms.rocm import RocmPlatform
 from tokenmill.selector import select_platform
+from tokenmill.worker.cuda_graph import CudaGraphRunner
 
 GiB = 1 << 30
 
@@ -74,6 +77,41 @@ def test_backend_priorities():
         "torch",
     ]
     assert RocmPlatform.get_attn_backend_candidates(config) == ["triton", "torch"]
+
+
+
+class _CapturableBuilder:
+    def build_for_cudagraph(self, common):
+        return None
+
+    def update_for_cudagraph(self, metadata, common):
+        pass
+
+
+@pytest.mark.parametrize(
+    "platform, enforce_eager, graphs",
+    [
+        (CudaPlatform, False, True),
+        (RocmPlatform, False, True),
+        (CudaPlatform, True, False),
+        (CpuPlatform, False, False),
+    ],
+)
+def test_cuda_graphs_are_the_platforms_decision(monkeypatch, platform, enforce_eager, graphs):
+    """The platform says whether decode steps are captured, not the device's type (capture is
+    stubbed: the device here is the CPU)."""
+    monkeypatch.setattr(CudaGraphRunner, "capture", lambda self: None)
+    config = EngineConfig(enforce_eager=enforce_eager)
+    config.platform_cls = platform
+    runner = CudaGraphRunner.create(
+        config, nn.Identity(), _CapturableBuilder(), {}, 4, torch.device("cpu")
+    )
+    assert (runner is not None) == graphs
+
+
+def test_gpu_platforms_have_no_op_table():
+    """Their layers run ``forward_native`` (torch's CUDA ops), as before the op tables."""
+    assert CudaPlatform.get_ops() == RocmPlatform.get_ops() == {}
 
 
 @pytest.mark.gpu

@@ -95,9 +95,10 @@ class CudaGraphRunner:
         max_blocks_per_req: int,
         device: torch.device,
     ) -> CudaGraphRunner | None:
-        """A runner with every size captured, or None where graphs don't apply: not a CUDA
-        device, ``enforce_eager``, or a backend whose builder cannot be captured."""
-        if device.type != "cuda" or config.enforce_eager:
+        """A runner with every size captured, or None where graphs don't apply: a platform
+        without them (``Platform.supports_cuda_graphs``), ``enforce_eager``, or a backend whose
+        builder cannot be captured."""
+        if config.enforce_eager or not config.platform_cls.supports_cuda_graphs(config):
             return None
         if not isinstance(builder, GraphCapturableBuilder):
             return None
