@@ -1,6 +1,6 @@
 """The out-of-tree example plugin (``plugins_example/``), pip-installed into a temporary directory:
-its platform, head-major attention backend and GPT-2 model register through the entry point,
-generate HF's greedy tokens, and leave the defaults alone."""
+its platform (with its own RMSNorm op), head-major attention backend and GPT-2 model register
+through the entry point, generate HF's greedy tokens, and leave the defaults alone."""
 
 from __future__ import annotations
 
@@ -17,13 +17,15 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
-from conftest import assert_greedy_close, hf_greedy
+from conftest import assert_greedy_close, hf_greedy, make_tiny_checkpoint
 from tokenmill import LLM, SamplingParams, plugins
 from tokenmill.attention_backends.torch_ref import TorchRefBackend
 from tokenmill.core.kv_cache_spec import FullAttentionSpec
 from tokenmill.interfaces import AttentionConfig, CommonAttentionMetadata
+from tokenmill.layers.build_context import BuildContext, model_build_context
+from tokenmill.layers.layernorm import RMSNorm
 from tokenmill.selector import select_attention_backend, select_platform
 
 EXAMPLE_SRC = Path(__file__).resolve().parents[1] / "plugins_example"
@@ -247,6 +249,35 @@ def test_gpt2_greedy_matches_hf(installed, hf_gpt2, legacy_gpt2, checkpoint, eng
     stats = llm.get_stats()
     assert stats["prefix_cache_hit_tokens"] > 0
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
+def test_platform_rms_norm_op_equals_forward_native(installed):
+    platform = plugins.get_registry("platforms").load("example")
+    ops = importlib.import_module("tokenmill_example_plugin.ops")
+    with model_build_context(BuildContext(TorchRefBackend, ops=platform.get_ops())):
+        norm = RMSNorm(32, eps=1e-5)
+    norm.weight.data.normal_()
+    x, residual = torch.randn(2, 5, 32), torch.randn(2, 5, 32)
+    ops.CALLS.clear()
+    torch.testing.assert_close(norm(x), norm.forward_native(x))
+    for got, want in zip(norm(x, residual), norm.forward_native(x, residual)):
+        torch.testing.assert_close(got, want)
+    assert ops.CALLS["rms_norm"] == 2
+
+
+def test_platform_swaps_in_its_rms_norm(installed, tmp_path):
+    """A 2-layer Llama on the example platform: its 5 RMSNorms run the platform's op in each of
+    the 8 steps, and the greedy tokens are HF's."""
+    path = make_tiny_checkpoint(tmp_path)
+    ops = importlib.import_module("tokenmill_example_plugin.ops")
+    ops.CALLS.clear()
+    llm = LLM(model=path, platform="example", num_kv_blocks=64)
+    prompt = [1, 17, 42, 99, 5]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5)
+    out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0]
+    assert ops.CALLS["rms_norm"] >= 5 * 8, ops.CALLS
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    assert_greedy_close(out.token_ids, out.logprobs, *hf_greedy(hf, prompt, 8))
 
 
 def test_uninstall_removes_parts(installed):

@@ -1,8 +1,8 @@
 """tokenmill's example out-of-tree plugin.
 
 The ``tokenmill.plugins`` entry point ``example`` names this module. Its hooks register a
-platform, an attention backend and a model architecture by ``module:Class`` string, so nothing
-below is imported until an engine chooses it.
+platform (with its own RMSNorm op), an attention backend and a model architecture by
+``module:Class`` string, so nothing below is imported until an engine chooses it.
 """
 
 from tokenmill.plugins import hookimpl

@@ -2,7 +2,9 @@
 
 Auto-detection skips it unless ``TOKENMILL_EXAMPLE_PLATFORM=1``; ``platform="example"`` or
 ``TOKENMILL_PLATFORM=example`` selects it explicitly. It prefers the example's head-major
-attention backend and computes in float32 only.
+attention backend, computes in float32 only and swaps in its own RMSNorm op (``ops.py``) through
+its op table; the other layers keep their ``forward_native``. CUDA graphs stay off (the
+``Platform`` default).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ class ExamplePlatform(Platform):
     name = "example"
     device_type = "cpu"
     supported_dtypes = (torch.float32,)
+    custom_ops = {"rms_norm": "tokenmill_example_plugin.ops:rms_norm"}
 
     @classmethod
     def is_available(cls) -> bool:
