@@ -23,7 +23,7 @@ import torch
 from conftest import make_tiny_checkpoint
 from tokenmill import LLM, SamplingParams, cli, plugins
 from tokenmill.attention_backends.torch_ref import TorchRefBackend
-from tokenmill.interfaces import AttentionConfig, ModelRegistry
+from tokenmill.interfaces import AttentionConfig, ModelRegistry, Platform
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.platforms.cpu import CpuPlatform
 from tokenmill.plugins import PluginError
@@ -554,3 +554,12 @@ def test_tiny_checkpoint_recipe_in_docs_runs_and_warns_without_tokenizer(
     exec(run_text, namespace)
     assert namespace["out"][0].prompt_token_ids == [39, 68, 75, 75, 78]
     assert not [msg for _, level, msg in tokenmill_log if level >= logging.WARNING]
+
+
+def test_op_table_path_that_does_not_import_names_platform_and_op():
+    class BadOpsPlatform(Platform):
+        name = "bad-ops"
+        custom_ops = {"rms_norm": "no_such_module_for_tokenmill:rms_norm"}
+
+    with pytest.raises(ImportError, match="platform 'bad-ops': cannot import op 'rms_norm'"):
+        BadOpsPlatform.get_ops()

@@ -103,4 +103,6 @@ def _resolve_op(platform: str, name: str, op: Callable[..., Any] | str) -> Calla
     try:
         return getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as e:
-        raise ImportError(f"platform {platform!r}: cannot import op {name!r} from {op!r}: {e}") from e
+        raise ImportError(
+            f"platform {platform!r}: cannot import op {name!r} from {op!r}: {e}"
+        ) from e

@@ -3,8 +3,9 @@
 directory by a hash of the sources, flags, compiler and CPU, and loaded with ctypes.
 
 They run on contiguous float32 CPU tensors; callers (the CPU platform's op table, the
-``cpu_sdpa`` backend) check :func:`supports` and otherwise use their torch path. The OpenMP runtime they link is the one torch already loaded, so they share
-its threads. ``TOKENMILL_DISABLE_CPU_KERNELS=1`` turns them all off.
+``cpu_sdpa`` backend) check :func:`supports` and otherwise use their torch path. The OpenMP
+runtime they link is the one torch already loaded, so they share its threads.
+``TOKENMILL_DISABLE_CPU_KERNELS=1`` turns them all off.
 """
 
 from __future__ import annotations
