@@ -563,3 +563,12 @@ def test_op_table_path_that_does_not_import_names_platform_and_op():
 
     with pytest.raises(ImportError, match="platform 'bad-ops': cannot import op 'rms_norm'"):
         BadOpsPlatform.get_ops()
+
+
+def test_op_table_with_an_unknown_op_name_is_refused():
+    class TypoOpsPlatform(Platform):
+        name = "typo-ops"
+        custom_ops = {"rmsnorm": "tokenmill_example_plugin.ops:rms_norm"}
+
+    with pytest.raises(ValueError, match="platform 'typo-ops' replaces unknown op\\(s\\) 'rmsnorm'; ops are rms_norm, silu_and_mul, rotary_embedding"):
+        TypoOpsPlatform.get_ops()

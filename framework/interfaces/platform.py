@@ -14,6 +14,10 @@ if TYPE_CHECKING:
     from tokenmill.config import EngineConfig
 
 
+OP_NAMES = ("rms_norm", "silu_and_mul", "rotary_embedding")
+"""The ops a platform may replace, one per ``CustomOp`` layer (``tokenmill.layers``)."""
+
+
 class Platform:
     """A device family the engine can run on. Subclasses set the class attributes and override
     the class methods that differ; nothing is instantiated."""
@@ -26,9 +30,9 @@ class Platform:
     detection_priority: ClassVar[int] = 0
     """Among available built-in platforms the highest priority wins (CUDA over CPU)."""
     custom_ops: ClassVar[Mapping[str, Callable[..., Any] | str]] = {}
-    """The op table: op name (a layer's ``op_name``: ``"rms_norm"``, ``"silu_and_mul"``,
-    ``"rotary_embedding"``) -> ``op(layer, *args)`` replacing that layer's ``forward_native``,
-    or the op's ``"module:function"`` path. Layers without an entry use ``forward_native``."""
+    """The op table: op name (one of ``OP_NAMES``, a layer's ``op_name``) -> ``op(layer, *args)``
+    replacing that layer's ``forward_native``, or the op's ``"module:function"`` path. Layers
+    without an entry use ``forward_native``."""
 
     @classmethod
     def is_available(cls) -> bool:
@@ -62,6 +66,12 @@ class Platform:
     def get_ops(cls) -> dict[str, Callable[..., Any]]:
         """``custom_ops`` with every path imported: the op table a model is built with (once per
         engine)."""
+        unknown = sorted(set(cls.custom_ops) - set(OP_NAMES))
+        if unknown:
+            raise ValueError(
+                f"platform {cls.name!r} replaces unknown op(s) {', '.join(map(repr, unknown))}; "
+                f"ops are {', '.join(OP_NAMES)}"
+            )
         return {name: _resolve_op(cls.name, name, op) for name, op in cls.custom_ops.items()}
 
     @classmethod

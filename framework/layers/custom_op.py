@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 
 from torch import nn
 
+from tokenmill.interfaces.platform import OP_NAMES
 from tokenmill.layers.build_context import current_ops
 
 
@@ -21,6 +22,11 @@ class CustomOp(nn.Module):
     """Base of the layers a platform's op table can replace."""
 
     op_name: ClassVar[str]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.op_name not in OP_NAMES:
+            raise TypeError(f"{cls.__name__}.op_name {cls.op_name!r} is not one of {OP_NAMES}")
 
     def __init__(self) -> None:
         super().__init__()
