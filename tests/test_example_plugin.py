@@ -22,8 +22,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from conftest import assert_greedy_close, hf_greedy
 from tokenmill import LLM, SamplingParams, plugins
 from tokenmill.attention_backends.torch_ref import TorchRefBackend
-from tokenmill.core.kv_cache_spec import FullAttentionSpec
-from tokenmill.interfaces import AttentionConfig, CommonAttentionMetadata
+from tokenmill.interfaces import AttentionConfig, CommonAttentionMetadata, FullAttentionSpec
 from tokenmill.selector import select_attention_backend, select_platform
 
 EXAMPLE_SRC = Path(__file__).resolve().parents[1] / "plugins_example"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tokenmill.core.kv_cache_spec import FullAttentionSpec, KVCacheSpec
+from tokenmill.interfaces.kv_cache_spec import FullAttentionSpec, KVCacheSpec
 from tokenmill.forward_context import get_forward_context
 from tokenmill.layers.build_context import current_build_context
 

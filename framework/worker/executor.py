@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from tokenmill.config import EngineConfig
-from tokenmill.core.kv_cache_spec import KVCacheSpec
+from tokenmill.interfaces.kv_cache_spec import KVCacheSpec
 from tokenmill.core.scheduler_output import SchedulerOutput
 from tokenmill.worker.model_runner import ModelRunnerOutput
 from tokenmill.worker.worker import Worker

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from tokenmill.config import EngineConfig
-from tokenmill.core.kv_cache_spec import KVCacheSpec
+from tokenmill.interfaces.kv_cache_spec import KVCacheSpec
 from tokenmill.core.scheduler_output import SchedulerOutput
 from tokenmill.forward_context import set_forward_context
 from tokenmill.interfaces.attention import (
