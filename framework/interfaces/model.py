@@ -28,9 +28,8 @@ class ModelRegistry:
 
     @staticmethod
     def register_model(arch: str, target: str | type) -> None:
-        """Register ``arch`` as a class or a ``"module:Class"`` path at run time (this process
-        only; workers see entry points only)."""
-        plugins.register("models", arch, target)
+        """vLLM's spelling of ``tokenmill.plugins.register_model``."""
+        plugins.register_model(arch, target)
 
     @staticmethod
     def supported_archs() -> list[str]:
