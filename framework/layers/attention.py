@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tokenmill.interfaces.kv_cache_spec import FullAttentionSpec, KVCacheSpec
 from tokenmill.forward_context import get_forward_context
+from tokenmill.interfaces.kv_cache_spec import FullAttentionSpec, KVCacheSpec
 from tokenmill.layers.build_context import current_build_context
 
 
@@ -18,9 +18,9 @@ class Attention(nn.Module):
     layer's cache and returns [T, num_heads*head_size]. ``prefix`` must be the layer's unique
     module path: it names the layer's KV cache. ``kv_cache`` is that cache, bound by the model
     runner once when it allocates the caches (None before); the step's metadata comes from the
-    forward context. With ``sliding_window``, each query attends
-    only to the last ``sliding_window`` positions up to itself; a backend that cannot do that
-    is an error here, never full attention in its place.
+    forward context. With ``sliding_window``, each query attends only to the last
+    ``sliding_window`` positions up to itself; a backend that cannot do that is an error here,
+    never full attention in its place.
     """
 
     def __init__(

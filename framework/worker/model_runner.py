@@ -15,7 +15,6 @@ import torch
 from torch import nn
 
 from tokenmill.config import EngineConfig
-from tokenmill.interfaces.kv_cache_spec import KVCacheSpec
 from tokenmill.core.scheduler_output import SchedulerOutput
 from tokenmill.forward_context import set_forward_context
 from tokenmill.interfaces.attention import (
@@ -23,6 +22,7 @@ from tokenmill.interfaces.attention import (
     AttentionConfig,
     CommonAttentionMetadata,
 )
+from tokenmill.interfaces.kv_cache_spec import KVCacheSpec
 from tokenmill.layers.attention import Attention
 from tokenmill.layers.build_context import BuildContext
 from tokenmill.model_loader.loader import load_model
