@@ -16,14 +16,14 @@ from typing import Any
 
 import torch
 
-from tokenmill.core.kv_cache_spec import KVCacheSpec
 from tokenmill.attention_backends.cuda_library import device_reasons, library_reasons
-from tokenmill.interfaces.attention import (
+from tokenmill.interfaces import (
     AttentionBackend,
     AttentionConfig,
     AttentionImpl,
     AttentionMetadataBuilder,
     CommonAttentionMetadata,
+    KVCacheSpec,
 )
 
 SUPPORTED_HEAD_SIZES = (64, 128, 256)

@@ -1,41 +1,47 @@
-"""Per-step state the model runner hands to attention layers without touching model code."""
+"""Per-step state the model runner hands to attention layers without touching model code.
+
+The current context is a ``ContextVar``: each thread (and each asyncio task) sees only the
+context it set, so engines stepping in one process — a target and a draft model, or
+``AsyncLLM``'s engine thread next to another engine — never see each other's metadata. KV
+caches are not part of it: each ``Attention`` layer holds its own, bound once when the cache is
+allocated.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Any
-
-import torch
 
 
 @dataclass
 class ForwardContext:
-    """``attn_metadata`` is the backend's metadata for this step (None in a dummy run);
-    ``kv_caches`` maps each attention layer's name to its KV-cache tensor."""
+    """``attn_metadata`` is the backend's metadata for this step (None in a dummy run)."""
 
     attn_metadata: Any
-    kv_caches: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
-_current: ForwardContext | None = None
+_forward_context: ContextVar[ForwardContext | None] = ContextVar(
+    "tokenmill_forward_context", default=None
+)
 
 
 @contextmanager
-def set_forward_context(
-    attn_metadata: Any, kv_caches: dict[str, torch.Tensor]
-) -> Iterator[ForwardContext]:
-    global _current
-    previous = _current
-    _current = ForwardContext(attn_metadata, kv_caches)
+def set_forward_context(attn_metadata: Any) -> Iterator[ForwardContext]:
+    """Make ``attn_metadata`` the current step's for the body, in this thread or task only."""
+    ctx = ForwardContext(attn_metadata)
+    token = _forward_context.set(ctx)
     try:
-        yield _current
+        yield ctx
     finally:
-        _current = previous
+        _forward_context.reset(token)
 
 
 def get_forward_context() -> ForwardContext:
-    if _current is None:
+    """The context of the step running in this thread or task."""
+    ctx = _forward_context.get()
+    if ctx is None:
         raise RuntimeError("attention layer called outside set_forward_context()")
-    return _current
+    return ctx

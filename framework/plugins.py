@@ -335,6 +335,11 @@ def register_attention_backend(name: str, target: str | type) -> None:
     register("attention_backends", name, target)
 
 
+def register_model(name: str, target: str | type) -> None:
+    """``register("models", name, target)``: ``name`` is an HF architecture."""
+    register("models", name, target)
+
+
 def register_proposer(name: str, target: str | type) -> None:
     """``register("proposers", name, target)``."""
     register("proposers", name, target)

@@ -11,7 +11,7 @@ import torch
 
 from tokenmill import plugins
 from tokenmill.attention_backends.torch_ref import TorchRefBackend
-from tokenmill.core.kv_cache_spec import FullAttentionSpec
+from tokenmill.interfaces import FullAttentionSpec
 from tokenmill.interfaces.attention import (
     AttentionBackend,
     AttentionConfig,

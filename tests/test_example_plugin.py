@@ -22,8 +22,7 @@ from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 from conftest import assert_greedy_close, hf_greedy, make_tiny_checkpoint
 from tokenmill import LLM, SamplingParams, plugins
 from tokenmill.attention_backends.torch_ref import TorchRefBackend
-from tokenmill.core.kv_cache_spec import FullAttentionSpec
-from tokenmill.interfaces import AttentionConfig, CommonAttentionMetadata
+from tokenmill.interfaces import AttentionConfig, CommonAttentionMetadata, FullAttentionSpec
 from tokenmill.layers.build_context import BuildContext, model_build_context
 from tokenmill.layers.layernorm import RMSNorm
 from tokenmill.selector import select_attention_backend, select_platform

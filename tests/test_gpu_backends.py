@@ -10,7 +10,7 @@ import torch
 from paged_batches import MIXED_SHAPES, random_batch, run_backend, run_reference, usable_backend
 from tokenmill.attention_backends.flash_attn import FlashAttentionMetadataBuilder
 from tokenmill.attention_backends.flashinfer import FlashInferMetadataBuilder
-from tokenmill.core.kv_cache_spec import FullAttentionSpec
+from tokenmill.interfaces import FullAttentionSpec
 
 DECODE_ONLY = ([1, 1, 1, 1, 1], [5, 40, 17, 100, 0])
 SHAPES = [*MIXED_SHAPES, DECODE_ONLY]

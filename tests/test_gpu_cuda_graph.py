@@ -66,7 +66,7 @@ def _eager(
     runner: ModelRunner, common: CommonAttentionMetadata, input_ids, positions
 ) -> torch.Tensor:
     metadata = runner.metadata_builder.build(common)
-    with set_forward_context(metadata, runner.kv_caches):
+    with set_forward_context(metadata):
         return runner.model(input_ids, positions)
 
 
@@ -96,7 +96,6 @@ def test_replay_equals_eager(tmp_path, name, dtype, block_size, atol):
     graphs = CudaGraphRunner(
         runner.model,
         runner.metadata_builder,
-        runner.kv_caches,
         [1, 2, 4, 8],
         BLOCKS_PER_REQ,
         config.max_model_len,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from tokenmill.core.block_pool import BlockPool
 from tokenmill.core.kv_cache_manager import KVCacheManager
-from tokenmill.core.kv_cache_spec import FullAttentionSpec, MLAAttentionSpec
 from tokenmill.core.kv_cache_utils import make_block_hasher
 from tokenmill.core.request import Request
+from tokenmill.interfaces import FullAttentionSpec, MLAAttentionSpec
 from tokenmill.sampling_params import SamplingParams
 
 BS = 4

@@ -87,15 +87,13 @@ def run_engine_forward(model: torch.nn.Module, token_ids: torch.Tensor, chunks: 
     fresh paged KV cache; return the logits of every token."""
     layers = [m for m in model.modules() if isinstance(m, Attention)]
     num_blocks = math.ceil(len(token_ids) / BLOCK_SIZE)
-    kv_caches = {
-        layer.layer_name: torch.zeros(
+    assert len({layer.layer_name for layer in layers}) == len(layers), "layer names must be unique"
+    for layer in layers:
+        layer.kv_cache = torch.zeros(
             TorchRefBackend.get_kv_cache_shape(
                 num_blocks, BLOCK_SIZE, layer.num_kv_heads, layer.head_size
             )
         )
-        for layer in layers
-    }
-    assert len(kv_caches) == len(layers), "attention layer names must be unique"
     spec = layers[0].get_kv_cache_spec(BLOCK_SIZE, torch.float32)
     builder = TorchRefBackend.get_metadata_builder_cls()(spec, torch.device("cpu"))
     block_table = torch.randperm(num_blocks, dtype=torch.int32)[None]
@@ -119,7 +117,7 @@ def run_engine_forward(model: torch.nn.Module, token_ids: torch.Tensor, chunks: 
             max_query_len=n,
             max_seq_len=done + n,
         )
-        with torch.inference_mode(), set_forward_context(builder.build(common), kv_caches):
+        with torch.inference_mode(), set_forward_context(builder.build(common)):
             hidden = model(token_ids[done : done + n], positions)
             logits.append(model.compute_logits(hidden))
         done += n

@@ -436,11 +436,14 @@ def _renamed_checkpoint(src: str, dst: Path, arch: str) -> str:
     return str(dst)
 
 
+@pytest.mark.parametrize(
+    "register", [plugins.register_model, ModelRegistry.register_model], ids=["plugins", "vllm"]
+)
 @pytest.mark.parametrize("as_class", [False, True], ids=["path", "class"])
-def test_runtime_model_registration(site, tiny_llama, tmp_path, tokenmill_log, as_class):
+def test_runtime_model_registration(site, tiny_llama, tmp_path, tokenmill_log, as_class, register):
     model_cls = _local_class(LlamaForCausalLM) if as_class else LlamaForCausalLM
     target = model_cls if as_class else "tokenmill.models.llama:LlamaForCausalLM"
-    ModelRegistry.register_model("MyLlamaForCausalLM", target)
+    register("MyLlamaForCausalLM", target)
     plugins.reload_plugins()  # runtime registrations survive a reload
     assert "MyLlamaForCausalLM" in ModelRegistry.supported_archs()
     reg = plugins.get_registry("models").get("MyLlamaForCausalLM")
@@ -468,6 +471,7 @@ def test_runtime_registration_of_every_kind(site, as_class):
             TorchRefBackend,
             "tokenmill.attention_backends.torch_ref:TorchRefBackend",
         ),
+        "model": ("MyLlama", LlamaForCausalLM, "tokenmill.models.llama:LlamaForCausalLM"),
         "proposer": ("my-spec", _local_class(object), "somewhere:Proposer"),
         "quantization_method": ("my-quant", _local_class(object), "somewhere:Method"),
     }
@@ -475,6 +479,7 @@ def test_runtime_registration_of_every_kind(site, as_class):
         getattr(plugins, f"register_{kind}")(name, cls if as_class else path)
     assert select_platform("cpu-again") is CpuPlatform
     assert select_attention_backend(CpuPlatform, ATTN, "torch-again") is TorchRefBackend
+    assert ModelRegistry.resolve(["MyLlama"]) == (LlamaForCausalLM, "MyLlama")
     assert "my-spec" in plugins.get_registry("proposers")
     assert "my-quant" in plugins.get_registry("quantization_methods")
     if as_class:

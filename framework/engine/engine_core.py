@@ -6,9 +6,9 @@ import logging
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.kv_cache_manager import KVCacheManager
-from tokenmill.core.kv_cache_spec import KVCacheSpec
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.scheduler import EngineCoreOutput, Scheduler, SchedulerConfig
+from tokenmill.interfaces.kv_cache_spec import KVCacheSpec
 from tokenmill.worker.executor import UniProcExecutor
 
 logger = logging.getLogger(__name__)

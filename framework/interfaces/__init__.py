@@ -7,6 +7,7 @@ from tokenmill.interfaces.attention import (
     AttentionMetadataBuilder,
     CommonAttentionMetadata,
 )
+from tokenmill.interfaces.kv_cache_spec import FullAttentionSpec, KVCacheSpec, MLAAttentionSpec
 from tokenmill.interfaces.model import CausalLM, ModelRegistry
 from tokenmill.interfaces.platform import Platform
 from tokenmill.interfaces.proposer import Proposal, ProposalBatch, Proposer
@@ -19,7 +20,10 @@ __all__ = [
     "AttentionMetadataBuilder",
     "CausalLM",
     "CommonAttentionMetadata",
+    "FullAttentionSpec",
+    "KVCacheSpec",
     "LinearMethod",
+    "MLAAttentionSpec",
     "ModelRegistry",
     "Platform",
     "Proposal",

@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from tokenmill.core.kv_cache_spec import KVCacheSpec
+from tokenmill.interfaces.kv_cache_spec import KVCacheSpec
 
 
 @dataclass(frozen=True)

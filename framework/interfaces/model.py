@@ -13,8 +13,9 @@ from tokenmill import plugins
 @runtime_checkable
 class CausalLM(Protocol):
     """What a registered model class provides. Built as ``Cls(config, prefix="")`` where
-    ``config`` is the checkpoint's transformers ``PretrainedConfig``; attention layers read
-    paging data from the forward context, never from arguments."""
+    ``config`` is the checkpoint's transformers ``PretrainedConfig``; attention layers hold
+    their KV caches and read the step's metadata from the forward context, never from
+    arguments."""
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor: ...
 
@@ -28,9 +29,8 @@ class ModelRegistry:
 
     @staticmethod
     def register_model(arch: str, target: str | type) -> None:
-        """Register ``arch`` as a class or a ``"module:Class"`` path at run time (this process
-        only; workers see entry points only)."""
-        plugins.register("models", arch, target)
+        """vLLM's spelling of ``tokenmill.plugins.register_model``."""
+        plugins.register_model(arch, target)
 
     @staticmethod
     def supported_archs() -> list[str]:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tokenmill.core.kv_cache_spec import FullAttentionSpec, KVCacheSpec
 from tokenmill.forward_context import get_forward_context
+from tokenmill.interfaces.kv_cache_spec import FullAttentionSpec, KVCacheSpec
 from tokenmill.layers.build_context import current_build_context
 
 
@@ -16,9 +16,11 @@ class Attention(nn.Module):
     ``forward`` takes flat projections ``q`` [T, num_heads*head_size] and ``k``/``v``
     [T, num_kv_heads*head_size] for all scheduled tokens of all requests, writes K/V into this
     layer's cache and returns [T, num_heads*head_size]. ``prefix`` must be the layer's unique
-    module path: it names the layer's KV cache. With ``sliding_window``, each query attends
-    only to the last ``sliding_window`` positions up to itself; a backend that cannot do that
-    is an error here, never full attention in its place.
+    module path: it names the layer's KV cache. ``kv_cache`` is that cache, bound by the model
+    runner once when it allocates the caches (None before); the step's metadata comes from the
+    forward context. With ``sliding_window``, each query attends only to the last
+    ``sliding_window`` positions up to itself; a backend that cannot do that is an error here,
+    never full attention in its place.
     """
 
     def __init__(
@@ -50,15 +52,15 @@ class Attention(nn.Module):
         self.impl = self.backend.get_impl_cls()(
             num_heads, head_size, scale, self.num_kv_heads, sliding_window=sliding_window
         )
+        self.kv_cache: torch.Tensor | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        ctx = get_forward_context()
         out = self.impl.forward(
             q.view(-1, self.num_heads, self.head_size),
             k.view(-1, self.num_kv_heads, self.head_size),
             v.view(-1, self.num_kv_heads, self.head_size),
-            ctx.kv_caches.get(self.layer_name),
-            ctx.attn_metadata,
+            self.kv_cache,
+            get_forward_context().attn_metadata,
         )
         return out.reshape(-1, self.num_heads * self.head_size)
 

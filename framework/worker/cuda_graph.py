@@ -63,7 +63,6 @@ class CudaGraphRunner:
         self,
         model: nn.Module,
         builder: GraphCapturableBuilder,
-        kv_caches: dict[str, torch.Tensor],
         sizes: list[int],
         max_blocks_per_req: int,
         max_model_len: int,
@@ -71,7 +70,6 @@ class CudaGraphRunner:
     ) -> None:
         self.model = model
         self.builder = builder
-        self.kv_caches = kv_caches
         self.sizes = sorted(sizes)
         self.max_model_len = max_model_len
         largest = self.sizes[-1]
@@ -91,7 +89,6 @@ class CudaGraphRunner:
         config: EngineConfig,
         model: nn.Module,
         builder: Any,
-        kv_caches: dict[str, torch.Tensor],
         max_blocks_per_req: int,
         device: torch.device,
     ) -> CudaGraphRunner | None:
@@ -105,7 +102,6 @@ class CudaGraphRunner:
         runner = cls(
             model,
             builder,
-            kv_caches,
             capture_sizes(config.max_num_seqs),
             max_blocks_per_req,
             config.max_model_len,
@@ -125,7 +121,7 @@ class CudaGraphRunner:
         for size in reversed(self.sizes):
             common = self._common(size, torch.ones(size, dtype=torch.int32))
             metadata = self.builder.build_for_cudagraph(common)
-            with set_forward_context(metadata, self.kv_caches):
+            with set_forward_context(metadata):
                 self.model(self.input_ids[:size], self.positions[:size])
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from tokenmill.config import EngineConfig
-from tokenmill.core.kv_cache_spec import KVCacheSpec
 from tokenmill.core.scheduler_output import SchedulerOutput
+from tokenmill.interfaces.kv_cache_spec import KVCacheSpec
 from tokenmill.worker.model_runner import ModelRunnerOutput
 from tokenmill.worker.worker import Worker
 

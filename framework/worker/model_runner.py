@@ -15,7 +15,6 @@ import torch
 from torch import nn
 
 from tokenmill.config import EngineConfig
-from tokenmill.core.kv_cache_spec import KVCacheSpec
 from tokenmill.core.scheduler_output import SchedulerOutput
 from tokenmill.forward_context import set_forward_context
 from tokenmill.interfaces.attention import (
@@ -23,6 +22,7 @@ from tokenmill.interfaces.attention import (
     AttentionConfig,
     CommonAttentionMetadata,
 )
+from tokenmill.interfaces.kv_cache_spec import KVCacheSpec
 from tokenmill.layers.attention import Attention
 from tokenmill.layers.build_context import BuildContext
 from tokenmill.model_loader.loader import load_model
@@ -69,7 +69,6 @@ class ModelRunner:
         )
         self.sampler = Sampler()
         self.model: nn.Module | None = None
-        self.kv_caches: dict[str, torch.Tensor] = {}
         self.preempted: dict[str, _PreemptedState] = {}
         self.batch: InputBatch | None = None
         self.metadata_builder = None
@@ -104,19 +103,20 @@ class ModelRunner:
         }
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        """Allocate every layer's cache in its backend's layout and the per-request buffers."""
+        """Allocate every layer's cache in its backend's layout, bind it to the layer, and
+        allocate the per-request buffers."""
         specs = self.get_kv_cache_specs()
         for name, layer in self.attention_layers().items():
             shape = layer.backend.get_kv_cache_shape(
                 num_blocks, self.block_size, layer.num_kv_heads, layer.head_size
             )
-            self.kv_caches[name] = torch.zeros(shape, dtype=specs[name].dtype, device=self.device)
+            layer.kv_cache = torch.zeros(shape, dtype=specs[name].dtype, device=self.device)
         first_spec = next(iter(specs.values()))
         self.metadata_builder = self.attn_backend.get_metadata_builder_cls()(first_spec, self.device)
         max_blocks = -(-self.config.max_model_len // self.block_size)
         self.batch = InputBatch(self.config.max_num_seqs, self.config.max_model_len, max_blocks)
         self.cuda_graphs = CudaGraphRunner.create(
-            self.config, self.model, self.metadata_builder, self.kv_caches, max_blocks, self.device
+            self.config, self.model, self.metadata_builder, max_blocks, self.device
         )
 
     def _update_states(self, out: SchedulerOutput) -> None:
@@ -209,7 +209,7 @@ class ModelRunner:
         hidden = self.cuda_graphs.run(input_ids_t, positions_t, common) if self.cuda_graphs else None
         if hidden is None:
             attn_metadata = self.metadata_builder.build(common)
-            with set_forward_context(attn_metadata, self.kv_caches):
+            with set_forward_context(attn_metadata):
                 hidden = self.model(input_ids_t, positions_t)
 
         sampling = np.nonzero(seq_lens >= batch.num_tokens[rows])[0]

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from tokenmill.config import EngineConfig
-from tokenmill.core.kv_cache_spec import KVCacheSpec
 from tokenmill.core.scheduler_output import SchedulerOutput
+from tokenmill.interfaces.kv_cache_spec import KVCacheSpec
 from tokenmill.worker.model_runner import ModelRunner, ModelRunnerOutput
 
 

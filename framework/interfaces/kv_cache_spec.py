@@ -9,6 +9,9 @@ import torch
 
 @dataclass(frozen=True)
 class KVCacheSpec:
+    """What one layer's KV cache holds per block; a metadata builder is built with its
+    layers' spec."""
+
     block_size: int
     dtype: torch.dtype
 
