@@ -104,7 +104,7 @@ def test_cuda_graphs_are_the_platforms_decision(monkeypatch, platform, enforce_e
     config = EngineConfig(enforce_eager=enforce_eager)
     config.platform_cls = platform
     runner = CudaGraphRunner.create(
-        config, nn.Identity(), _CapturableBuilder(), {}, 4, torch.device("cpu")
+        config, nn.Identity(), _CapturableBuilder(), 4, torch.device("cpu")
     )
     assert (runner is not None) == graphs
 
