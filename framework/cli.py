@@ -6,13 +6,16 @@ import argparse
 import importlib
 import importlib.metadata
 import json
+import shutil
 import sys
+import textwrap
 import types
 import typing
 from dataclasses import Field, fields
 from typing import TYPE_CHECKING, Any
 
 from tokenmill.engine_args import EngineArgs
+from tokenmill.envs import ENVIRONMENT_VARIABLES
 from tokenmill.plugins import PluginError
 
 if TYPE_CHECKING:
@@ -34,6 +37,10 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         if not action.option_strings:
             return action.help
         return super()._get_help_string(action)
+
+
+class TopHelpFormatter(argparse.RawDescriptionHelpFormatter, HelpFormatter):
+    """``tokenmill --help``: keeps the epilog's own layout."""
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -237,8 +244,25 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     return 0
 
 
+def _epilog() -> str:
+    """The environment variables with their docs."""
+    width = max(shutil.get_terminal_size().columns - 2, 60)
+    column = max(map(len, ENVIRONMENT_VARIABLES)) + 4
+    lines = ["environment variables:"]
+    for name, var in ENVIRONMENT_VARIABLES.items():
+        doc = textwrap.wrap(var.describe(), max(width - column, 30))
+        lines.append(f"  {name:<{column - 2}}{doc[0]}")
+        lines.extend(" " * column + line for line in doc[1:])
+    return "\n".join(lines)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = ArgumentParser(prog="tokenmill", description="LLM inference engine")
+    parser = ArgumentParser(
+        prog="tokenmill",
+        description="LLM inference engine",
+        epilog=_epilog(),
+        formatter_class=TopHelpFormatter,
+    )
     parser.add_argument(
         "--version",
         action="version",

@@ -11,12 +11,13 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import logging
-import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import pluggy
+
+from tokenmill import envs
 
 logger = logging.getLogger(__name__)
 
@@ -169,19 +170,19 @@ class PluginManager:
         """Load the entry points ``TOKENMILL_PLUGINS`` allows (all when unset); a name in it
         that no installed entry point has is a ``ValueError`` listing the installed ones."""
         entry_points = importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
-        allowed = _allowed_plugins()
+        allowed: list[str] | None = envs.TOKENMILL_PLUGINS
         if allowed is not None:
             installed = {ep.name for ep in entry_points}
-            unknown = sorted(allowed - installed)
+            unknown = sorted(set(allowed) - installed)
             if unknown:
                 raise ValueError(
                     f"TOKENMILL_PLUGINS names unknown plugin(s) {', '.join(map(repr, unknown))}; "
                     f"installed plugins: {', '.join(sorted(installed)) or 'none'}"
                 )
-            excluded = sorted(installed - allowed)
+            excluded = sorted(installed - set(allowed))
             if excluded:
                 note = (
-                    f"TOKENMILL_PLUGINS={os.environ['TOKENMILL_PLUGINS']!r} excluded the "
+                    f"TOKENMILL_PLUGINS={','.join(allowed)!r} excluded the "
                     f"plugin(s) {', '.join(excluded)}"
                 )
                 for registry in self.registries.values():
@@ -258,13 +259,6 @@ class PluginManager:
 def _label(kind: str) -> str:
     """``"attention_backends"`` -> ``"attention backend"``."""
     return kind[:-1].replace("_", " ")
-
-
-def _allowed_plugins() -> set[str] | None:
-    value = os.environ.get("TOKENMILL_PLUGINS")
-    if value is None or not value.strip():
-        return None
-    return {name.strip() for name in value.split(",") if name.strip()}
 
 
 _lock = threading.Lock()
