@@ -1,8 +1,8 @@
 """Plugin loading: pluggy hook specs, entry points and the registries they fill.
 
-Every platform, attention backend, model architecture, proposer and quantization method is
-registered through a ``register(name, "package.module:Class")`` callback handed to a hook
-implementation. First-party parts come through the same ``tokenmill.plugins`` entry points as
+Every platform, attention backend, model architecture, proposer, quantization method and
+``tokenmill`` subcommand is registered through a ``register(name, "package.module:Class")``
+callback handed to a hook implementation. First-party parts come through the same ``tokenmill.plugins`` entry points as
 third-party ones. Targets are imported only when chosen.
 """
 
@@ -14,6 +14,7 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import pluggy
 
@@ -34,6 +35,7 @@ KINDS = {
     "models": "register_models",
     "proposers": "register_proposers",
     "quantization_methods": "register_quantization_methods",
+    "commands": "register_commands",
 }
 
 
@@ -60,6 +62,12 @@ class HookSpecs:
     def register_quantization_methods(self, register: Callable[[str, str], None]) -> None:
         """Register quantization methods by name."""
 
+    @hookspec
+    def register_commands(self, register: Callable[[str, str], None]) -> None:
+        """Register ``tokenmill`` subcommands: ``register("hello", "pkg.cli:add_hello")``, where
+        ``add_hello(subparsers)`` adds the ``hello`` parser to the ``argparse`` subparsers and
+        sets its ``func(args) -> int`` default; keep heavy imports inside ``func``."""
+
 
 class PluginError(RuntimeError):
     """A plugin failed to load or register; the message names the plugin and its distribution."""
@@ -77,8 +85,8 @@ class Registration:
     cls: type | None = None
     """The class itself, when a runtime registration passed one instead of a path."""
 
-    def load(self) -> type:
-        """Import and return the registered class."""
+    def load(self) -> Any:
+        """Import and return the registered class (for a command, its function)."""
         if self.cls is not None:
             return self.cls
         module_name, _, attr = self.target.partition(":")
@@ -296,7 +304,7 @@ def reload_plugins() -> PluginManager:
 
 def get_registry(kind: str, strict: bool = True) -> Registry:
     """The registry of one kind: platforms, attention_backends, models, proposers,
-    quantization_methods; ``strict`` as in ``get_plugin_manager``."""
+    quantization_methods, commands; ``strict`` as in ``get_plugin_manager``."""
     if kind not in KINDS:
         raise ValueError(f"unknown plugin kind {kind!r}; expected one of {', '.join(KINDS)}")
     return get_plugin_manager(strict).registries[kind]
