@@ -3,26 +3,24 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import importlib.metadata
 import json
+import shutil
 import sys
+import textwrap
 import types
 import typing
 from dataclasses import Field, fields
 from typing import TYPE_CHECKING, Any
 
 from tokenmill.engine_args import EngineArgs
-from tokenmill.plugins import PluginError
+from tokenmill.envs import ENVIRONMENT_VARIABLES
+from tokenmill.plugins import PluginError, get_plugin_manager
 
 if TYPE_CHECKING:
     from tokenmill.entrypoints.llm import LLM
     from tokenmill.outputs import RequestOutput
     from tokenmill.sampling_params import SamplingParams
-
-SUBCOMMAND_MODULES = ("tokenmill.benchmarks", "tokenmill.entrypoints.serve")
-"""Modules adding their own subcommands via ``register_subcommand(subparsers)``; each keeps
-its heavy imports inside the command so ``tokenmill --help`` stays fast."""
 
 REPL_EXIT_WORDS = ("exit", "quit")
 
@@ -34,6 +32,10 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         if not action.option_strings:
             return action.help
         return super()._get_help_string(action)
+
+
+class TopHelpFormatter(argparse.RawDescriptionHelpFormatter, HelpFormatter):
+    """``tokenmill --help``: keeps the epilog's own layout."""
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -197,7 +199,7 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     import torch
 
     from tokenmill.interfaces.attention import AttentionConfig
-    from tokenmill.plugins import KINDS, get_plugin_manager
+    from tokenmill.plugins import KINDS
     from tokenmill.selector import backend_reasons, select_platform
 
     manager = get_plugin_manager(strict=False)
@@ -237,8 +239,57 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_plugin_commands(subparsers: argparse._SubParsersAction) -> list[str]:
+    """Add every subcommand registered through the ``register_commands`` hook (``bench`` and
+    ``serve`` among them) and return the errors of broken plugins and commands: a command that
+    fails to load or to add itself is left out, the others work."""
+    try:
+        manager = get_plugin_manager(strict=False)
+    except ValueError as e:
+        return [str(e)]
+    errors = [str(e) for e in manager.errors]
+    registry = manager.registries["commands"]
+    for name in registry.names():
+        reg = registry.get(name)
+        choices, shown = dict(subparsers.choices), list(subparsers._choices_actions)
+        try:
+            if name in subparsers.choices:
+                raise ValueError("another command has that name")
+            reg.load()(subparsers)
+            if name not in subparsers.choices:
+                raise ValueError(f"{reg.target} added no subcommand {name!r}")
+        except Exception as e:
+            subparsers.choices.clear()
+            subparsers.choices.update(choices)
+            subparsers._choices_actions[:] = shown
+            errors.append(
+                str(e)
+                if isinstance(e, PluginError)
+                else f"command {name!r} from plugin {reg.plugin!r} (distribution "
+                f"{reg.distribution!r}) is left out: {e}"
+            )
+    return errors
+
+
+def _epilog(errors: list[str]) -> str:
+    """The environment variables with their docs, then the errors of broken plugins."""
+    width = max(shutil.get_terminal_size().columns - 2, 60)
+    column = max(map(len, ENVIRONMENT_VARIABLES)) + 4
+    lines = ["environment variables:"]
+    for name, var in ENVIRONMENT_VARIABLES.items():
+        doc = textwrap.wrap(var.describe(), max(width - column, 30))
+        lines.append(f"  {name:<{column - 2}}{doc[0]}")
+        lines.extend(" " * column + line for line in doc[1:])
+    if errors:
+        lines += ["", "broken plugins (see 'tokenmill plugins'):"]
+        lines.extend("  " + error.replace("\n", "\n    ") for error in errors)
+    return "\n".join(lines)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = ArgumentParser(prog="tokenmill", description="LLM inference engine")
+    parser = ArgumentParser(
+        prog="tokenmill", description="LLM inference engine", formatter_class=TopHelpFormatter
+    )
     parser.add_argument(
         "--version",
         action="version",
@@ -267,8 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plugins", help="list registered plugins and where they come from")
     p.set_defaults(func=cmd_plugins)
 
-    for module_name in SUBCOMMAND_MODULES:
-        importlib.import_module(module_name).register_subcommand(sub)
+    parser.epilog = _epilog(add_plugin_commands(sub))
     return parser
 
 

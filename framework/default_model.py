@@ -25,6 +25,8 @@ from safetensors.numpy import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 from tqdm import tqdm
 
+from tokenmill import envs
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -49,7 +51,7 @@ _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.nor
 def cache_dir() -> Path:
     """Return tokenmill's cache root: ``$TOKENMILL_CACHE_DIR``, else ``$XDG_CACHE_HOME/tokenmill``,
     else ``~/.cache/tokenmill``."""
-    if root := os.environ.get("TOKENMILL_CACHE_DIR"):
+    if root := envs.TOKENMILL_CACHE_DIR:
         return Path(root).expanduser()
     xdg = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(xdg).expanduser() / "tokenmill"

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenmill.core.kv_cache_utils import PrefixCachingHashAlgo
+from tokenmill.envs import ENVIRONMENT_VARIABLES
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 MAX_DEFAULT_MODEL_LEN = 32768
@@ -52,9 +53,9 @@ class EngineArgs:
     )
     kv_cache_memory_bytes: int | None = _arg(
         None,
-        "KV-cache size in bytes; None: the platform's budget (CPU: $TOKENMILL_CPU_KVCACHE_SPACE "
-        "GiB, else 2 GiB, at most a quarter of available memory; GPU: from "
-        "gpu_memory_utilization)",
+        f"KV-cache size in bytes; None: the platform's budget (CPU: $TOKENMILL_CPU_KVCACHE_SPACE "
+        f"GiB, default {ENVIRONMENT_VARIABLES['TOKENMILL_CPU_KVCACHE_SPACE'].default:g}, at most "
+        f"a quarter of available memory; GPU: from gpu_memory_utilization)",
     )
     enable_prefix_caching: bool = _arg(True, "share KV blocks between prompts with equal prefixes")
     prefix_caching_hash_algo: PrefixCachingHashAlgo = _arg(

@@ -6,8 +6,9 @@ INFO that does not propagate to the root logger. ``TOKENMILL_LOGGING_LEVEL`` set
 from __future__ import annotations
 
 import logging
-import os
 import sys
+
+from tokenmill import envs
 
 LOGGER_NAME = "tokenmill"
 FORMAT = "%(levelname)s %(asctime)s [%(filename)s:%(lineno)d] %(message)s"
@@ -17,9 +18,9 @@ DATE_FORMAT = "%m-%d %H:%M:%S"
 def configure_logging() -> None:
     """Give the ``tokenmill`` logger its stderr handler and level (once); raises
     ``ValueError`` for an unknown ``TOKENMILL_LOGGING_LEVEL``."""
-    if os.environ.get("TOKENMILL_CONFIGURE_LOGGING", "1") == "0":
+    if not envs.TOKENMILL_CONFIGURE_LOGGING:
         return
-    level = (os.environ.get("TOKENMILL_LOGGING_LEVEL") or "INFO").upper()
+    level = envs.TOKENMILL_LOGGING_LEVEL.upper()
     if not isinstance(logging.getLevelName(level), int):
         raise ValueError(
             f"TOKENMILL_LOGGING_LEVEL must be DEBUG, INFO, WARNING, ERROR or CRITICAL, got {level!r}"

@@ -1,8 +1,8 @@
 """Plugin loading: pluggy hook specs, entry points and the registries they fill.
 
-Every platform, attention backend, model architecture, proposer and quantization method is
-registered through a ``register(name, "package.module:Class")`` callback handed to a hook
-implementation. First-party parts come through the same ``tokenmill.plugins`` entry points as
+Every platform, attention backend, model architecture, proposer, quantization method and
+``tokenmill`` subcommand is registered through a ``register(name, "package.module:Class")``
+callback handed to a hook implementation. First-party parts come through the same ``tokenmill.plugins`` entry points as
 third-party ones. Targets are imported only when chosen.
 """
 
@@ -11,12 +11,14 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import logging
-import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import pluggy
+
+from tokenmill import envs
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +35,7 @@ KINDS = {
     "models": "register_models",
     "proposers": "register_proposers",
     "quantization_methods": "register_quantization_methods",
+    "commands": "register_commands",
 }
 
 
@@ -59,6 +62,12 @@ class HookSpecs:
     def register_quantization_methods(self, register: Callable[[str, str], None]) -> None:
         """Register quantization methods by name."""
 
+    @hookspec
+    def register_commands(self, register: Callable[[str, str], None]) -> None:
+        """Register ``tokenmill`` subcommands: ``register("hello", "pkg.cli:add_hello")``, where
+        ``add_hello(subparsers)`` adds the ``hello`` parser to the ``argparse`` subparsers and
+        sets its ``func(args) -> int`` default; keep heavy imports inside ``func``."""
+
 
 class PluginError(RuntimeError):
     """A plugin failed to load or register; the message names the plugin and its distribution."""
@@ -76,8 +85,8 @@ class Registration:
     cls: type | None = None
     """The class itself, when a runtime registration passed one instead of a path."""
 
-    def load(self) -> type:
-        """Import and return the registered class."""
+    def load(self) -> Any:
+        """Import and return the registered class (for a command, its function)."""
         if self.cls is not None:
             return self.cls
         module_name, _, attr = self.target.partition(":")
@@ -169,19 +178,19 @@ class PluginManager:
         """Load the entry points ``TOKENMILL_PLUGINS`` allows (all when unset); a name in it
         that no installed entry point has is a ``ValueError`` listing the installed ones."""
         entry_points = importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
-        allowed = _allowed_plugins()
+        allowed: list[str] | None = envs.TOKENMILL_PLUGINS
         if allowed is not None:
             installed = {ep.name for ep in entry_points}
-            unknown = sorted(allowed - installed)
+            unknown = sorted(set(allowed) - installed)
             if unknown:
                 raise ValueError(
                     f"TOKENMILL_PLUGINS names unknown plugin(s) {', '.join(map(repr, unknown))}; "
                     f"installed plugins: {', '.join(sorted(installed)) or 'none'}"
                 )
-            excluded = sorted(installed - allowed)
+            excluded = sorted(installed - set(allowed))
             if excluded:
                 note = (
-                    f"TOKENMILL_PLUGINS={os.environ['TOKENMILL_PLUGINS']!r} excluded the "
+                    f"TOKENMILL_PLUGINS={','.join(allowed)!r} excluded the "
                     f"plugin(s) {', '.join(excluded)}"
                 )
                 for registry in self.registries.values():
@@ -260,13 +269,6 @@ def _label(kind: str) -> str:
     return kind[:-1].replace("_", " ")
 
 
-def _allowed_plugins() -> set[str] | None:
-    value = os.environ.get("TOKENMILL_PLUGINS")
-    if value is None or not value.strip():
-        return None
-    return {name.strip() for name in value.split(",") if name.strip()}
-
-
 _lock = threading.Lock()
 _manager: PluginManager | None = None
 _runtime: list[Registration] = []
@@ -302,7 +304,7 @@ def reload_plugins() -> PluginManager:
 
 def get_registry(kind: str, strict: bool = True) -> Registry:
     """The registry of one kind: platforms, attention_backends, models, proposers,
-    quantization_methods; ``strict`` as in ``get_plugin_manager``."""
+    quantization_methods, commands; ``strict`` as in ``get_plugin_manager``."""
     if kind not in KINDS:
         raise ValueError(f"unknown plugin kind {kind!r}; expected one of {', '.join(KINDS)}")
     return get_plugin_manager(strict).registries[kind]

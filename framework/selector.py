@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import os
-
-from tokenmill import plugins
+from tokenmill import envs, plugins
 from tokenmill.interfaces.attention import AttentionBackend, AttentionConfig
 from tokenmill.interfaces.platform import Platform
 
@@ -14,7 +12,7 @@ def select_platform(name: str | None = None) -> type[Platform]:
     the available, auto-selectable platforms: an out-of-tree one wins over the built-ins, then
     ``detection_priority``."""
     registry = plugins.get_registry("platforms")
-    name = name or os.environ.get("TOKENMILL_PLATFORM") or None
+    name = name or envs.TOKENMILL_PLATFORM
     if name is not None:
         platform = registry.load(name)
         if not platform.is_available():
@@ -52,7 +50,7 @@ def choose_attention_backend(
     were passed over."""
     registry = plugins.get_registry("attention_backends")
     chosen_by = "attention_backend" if name else "TOKENMILL_ATTENTION_BACKEND"
-    name = name or os.environ.get("TOKENMILL_ATTENTION_BACKEND") or None
+    name = name or envs.TOKENMILL_ATTENTION_BACKEND
     if name is not None:
         reasons = backend_reasons(name, config)
         if reasons:

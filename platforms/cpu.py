@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tokenmill import envs
 from tokenmill.interfaces.attention import AttentionConfig
 from tokenmill.interfaces.platform import Platform
 from tokenmill.ops import cpu as cpu_ops
@@ -18,8 +19,6 @@ if TYPE_CHECKING:
     from tokenmill.layers.activation import SiluAndMul
     from tokenmill.layers.layernorm import RMSNorm
     from tokenmill.layers.rotary_embedding import RotaryEmbedding
-
-DEFAULT_KV_CACHE_BYTES = 2 << 30
 
 
 def _cpu_has_fast_bf16() -> bool:
@@ -123,14 +122,12 @@ class CpuPlatform(Platform):
 
     @classmethod
     def get_kv_cache_budget(cls, config: EngineConfig) -> int:
-        """``TOKENMILL_CPU_KVCACHE_SPACE`` GiB if set, else 2 GiB, never more than a quarter of
-        the memory available now."""
-        env = os.environ.get("TOKENMILL_CPU_KVCACHE_SPACE")
-        budget = int(float(env) * (1 << 30)) if env else DEFAULT_KV_CACHE_BYTES
+        """``TOKENMILL_CPU_KVCACHE_SPACE`` GiB, never more than a quarter of the memory
+        available now."""
+        budget = int(envs.TOKENMILL_CPU_KVCACHE_SPACE * (1 << 30))
         return min(budget, cls.get_available_memory() // 4)
 
     @classmethod
     def set_num_threads(cls, config: EngineConfig) -> None:
-        threads = os.environ.get("TOKENMILL_CPU_THREADS")
-        if threads:
-            torch.set_num_threads(int(threads))
+        if threads := envs.TOKENMILL_CPU_THREADS:
+            torch.set_num_threads(threads)

@@ -163,6 +163,11 @@ def test_builds_into_an_empty_cache(fresh_load, tmp_path, monkeypatch, caplog):
     assert any(re.fullmatch(r"compiled CPU kernels in \d+\.\d s", m) for m in messages), messages
 
 
+def test_disable_kernels_0_keeps_them(fresh_load, monkeypatch):
+    monkeypatch.setenv("TOKENMILL_DISABLE_CPU_KERNELS", "0")
+    assert fresh_load() is not None
+
+
 @pytest.mark.parametrize("setting", ["disabled", "no-compiler", "unwritable-cache"])
 def test_unavailable_kernels_leave_torch_paths(fresh_load, tmp_path, monkeypatch, setting):
     if setting == "disabled":

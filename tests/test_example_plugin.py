@@ -1,6 +1,7 @@
 """The out-of-tree example plugin (``plugins_example/``), pip-installed into a temporary directory:
-its platform (with its own RMSNorm op), head-major attention backend and GPT-2 model register
-through the entry point, generate HF's greedy tokens, and leave the defaults alone."""
+its platform (with its own RMSNorm op), head-major attention backend, GPT-2 model and
+``example-hello`` command register through the entry point, generate HF's greedy tokens, and
+leave the defaults alone."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
 from conftest import assert_greedy_close, hf_greedy, make_tiny_checkpoint
-from tokenmill import LLM, SamplingParams, plugins
+from tokenmill import LLM, SamplingParams, cli, plugins
 from tokenmill.attention_backends.torch_ref import TorchRefBackend
 from tokenmill.interfaces import AttentionConfig, CommonAttentionMetadata, FullAttentionSpec
 from tokenmill.layers.build_context import BuildContext, model_build_context
@@ -33,6 +34,7 @@ PARTS = {
     "platforms": "example",
     "attention_backends": "example-hnd",
     "models": "GPT2LMHeadModel",
+    "commands": "example-hello",
 }
 ENV_VARS = (
     "TOKENMILL_PLUGINS",
@@ -114,12 +116,17 @@ def test_parts_registered_from_distribution(installed):
         assert (reg.plugin, reg.distribution) == ("example", DIST)
 
 
-def test_cli_lists_parts(installed):
+def _env(installed: Path) -> dict[str, str]:
+    """The environment of a subprocess that sees the installed example."""
     env = {k: v for k, v in os.environ.items() if k not in ENV_VARS}
     env["PYTHONPATH"] = os.pathsep.join([str(installed), env.get("PYTHONPATH", "")])
+    return env
+
+
+def test_cli_lists_parts(installed):
     out = subprocess.run(
         [sys.executable, "-m", "tokenmill", "plugins"],
-        env=env,
+        env=_env(installed),
         capture_output=True,
         text=True,
         check=True,
@@ -128,6 +135,28 @@ def test_cli_lists_parts(installed):
     for name in PARTS.values():
         assert f"from {DIST}" in lines[name]
     assert "[selected]" not in lines["example"]
+
+
+def test_plugin_command_in_help_without_torch_and_runs(installed, capsys):
+    code = (
+        "import sys\n"
+        "from tokenmill import cli\n"
+        "try:\n"
+        "    cli.main(['--help'])\n"
+        "except SystemExit as e:\n"
+        "    assert e.code == 0, e.code\n"
+        "assert 'torch' not in sys.modules, 'tokenmill --help imported torch'\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=_env(installed), capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    commands = {line.split()[0]: line for line in done.stdout.splitlines() if line[:4] == " " * 4}
+    assert "greet from the example plugin" in commands["example-hello"]
+    assert {"generate", "chat", "plugins", "bench", "serve"} <= set(commands)
+    assert "broken plugins" not in done.stdout
+    assert cli.main(["example-hello", "--name", "tests"]) == 0
+    assert capsys.readouterr().out == "Hello, tests, from the tokenmill example plugin!\n"
 
 
 def test_default_platform_unchanged(installed):

@@ -7,6 +7,7 @@ temporary directory on ``sys.path``, which ``importlib.metadata`` discovers like
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import json
 import logging
@@ -172,7 +173,7 @@ def test_tokenmill_plugins_filters_entry_points(fake_plugin, allowed, present, a
 
 BROKEN_PREFIX = "plugin 'broken' from distribution 'broken-dist' "
 HOOKS = "register_platforms, register_attention_backends, register_models, register_proposers, " \
-    "register_quantization_methods"
+    "register_quantization_methods, register_commands"
 
 BROKEN = {
     "import-error": (
@@ -282,6 +283,74 @@ def test_generate_with_a_broken_plugin_is_an_error_not_a_traceback(site, tiny_ll
     assert capsys.readouterr().err.strip().endswith(f"error: {message}")
 
 
+def _help(capsys) -> str:
+    """What ``tokenmill --help`` prints."""
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--help"])
+    assert exit_info.value.code == 0
+    return capsys.readouterr().out
+
+
+def _commands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    assert [a.dest for a in action._choices_actions] == list(action.choices), "help and choices"
+    return action.choices
+
+
+@pytest.mark.parametrize("case", list(BROKEN))
+def test_help_lists_the_commands_and_the_broken_plugin(site, case, capsys):
+    message = _install_broken(site, case)
+    with pytest.raises(PluginError):
+        plugins.reload_plugins()
+    assert {"generate", "chat", "plugins", "bench", "serve"} <= set(_commands(cli.build_parser()))
+    indented = message.replace("\n", "\n    ")
+    assert _help(capsys).endswith(f"broken plugins (see 'tokenmill plugins'):\n  {indented}\n")
+
+
+COMMANDS_MODULE = """
+from tokenmill.plugins import hookimpl
+
+def add_ok(subparsers):
+    subparsers.add_parser("fake-ok", help="works").set_defaults(func=lambda args: 7)
+
+def add_raises(subparsers):
+    subparsers.add_parser("fake-raises", help="half added")
+    raise RuntimeError("boom")
+
+def add_nothing(subparsers):
+    pass
+
+@hookimpl
+def register_commands(register):
+    register("fake-ok", "fake_tm_commands:add_ok")
+    register("fake-raises", "fake_tm_commands:add_raises")
+    register("fake-silent", "fake_tm_commands:add_nothing")
+    register("fake-missing", "fake_tm_nowhere:add")
+    register("generate", "fake_tm_commands:add_ok")
+"""
+
+
+def test_broken_commands_are_left_out_and_reported(site, capsys):
+    site.install("fake-cmd-dist", "fake_tm_commands", {"fake_tm_commands": COMMANDS_MODULE})
+    plugins.reload_plugins()
+    commands = _commands(cli.build_parser())
+    assert {"generate", "chat", "plugins", "bench", "serve", "fake-ok"} == set(commands)
+    assert commands["generate"].get_default("func") is cli.cmd_generate
+    assert cli.main(["fake-ok"]) == 7
+    left_out = "from plugin 'fake' (distribution 'fake-cmd-dist') is left out"
+    errors = [
+        "cannot import command 'fake-missing' (fake_tm_nowhere:add) registered by plugin 'fake' "
+        "from distribution 'fake-cmd-dist': No module named 'fake_tm_nowhere'",
+        f"command 'fake-raises' {left_out}: boom",
+        f"command 'fake-silent' {left_out}: fake_tm_commands:add_nothing added no subcommand "
+        "'fake-silent'",
+        f"command 'generate' {left_out}: another command has that name",
+    ]
+    out = _help(capsys)
+    listed = "\n  ".join(errors)
+    assert out.endswith(f"broken plugins (see 'tokenmill plugins'):\n  {listed}\n")
+
+
 def test_plugins_command_lists_unimportable_platform(site, capsys):
     site.install(
         "ghost-dist",
@@ -307,16 +376,19 @@ def test_misspelled_tokenmill_plugins_names_the_unknown_and_installed_plugins(si
     site.mp.setenv("TOKENMILL_PLUGINS", "platfroms, models")
     message = (
         "TOKENMILL_PLUGINS names unknown plugin(s) 'platfroms'; "
-        "installed plugins: attention_backends, models, platforms"
+        "installed plugins: attention_backends, commands, models, platforms"
     )
     with pytest.raises(ValueError) as err:
         plugins.reload_plugins()
     assert str(err.value) == message
     assert cli.main(["plugins"]) == 2
     assert capsys.readouterr().err == f"error: {message}\n"
+    assert _help(capsys).endswith(f"broken plugins (see 'tokenmill plugins'):\n  {message}\n")
 
 
-FILTERED = "(TOKENMILL_PLUGINS='models' excluded the plugin(s) attention_backends, platforms)"
+FILTERED = (
+    "(TOKENMILL_PLUGINS='models' excluded the plugin(s) attention_backends, commands, platforms)"
+)
 EXCLUDED_BY_FILTER = {
     "auto": (RuntimeError, lambda model: select_platform(), "no available platform among none"),
     "LLM": (RuntimeError, lambda model: LLM(model=model), "no available platform among none"),

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import os
 
+from tokenmill import envs
 from tokenmill.cli import add_engine_args, engine_kwargs
-
-API_KEY_ENV = "TOKENMILL_API_KEY"
 
 
 def register_subcommand(subparsers: argparse._SubParsersAction) -> None:
@@ -18,7 +16,7 @@ def register_subcommand(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--api-key",
         default=None,
-        help=f"require 'Authorization: Bearer KEY' on /v1; None: ${API_KEY_ENV}, if set",
+        help="require 'Authorization: Bearer KEY' on /v1; None: $TOKENMILL_API_KEY, if set",
     )
     parser.add_argument(
         "--served-model-name",
@@ -51,6 +49,6 @@ def run(args: argparse.Namespace) -> int:
     )
     engine = AsyncLLM.from_engine_args(**limit, **engine_kwargs(args))
     names = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
-    app = build_app(engine, names, args.api_key or os.environ.get(API_KEY_ENV))
+    app = build_app(engine, names, args.api_key or envs.TOKENMILL_API_KEY)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
     return 0

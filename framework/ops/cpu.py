@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from tokenmill import envs
+
 logger = logging.getLogger(__name__)
 
 SOURCES = ("attention.c", "norm.c", "activation.c", "rotary.c")
@@ -74,7 +76,7 @@ def _build(compiler: str, target: Path) -> bool:
 @cache
 def load() -> ctypes.CDLL | None:
     """The kernel library, built if needed; None (logged once) when it cannot be built here."""
-    if os.environ.get("TOKENMILL_DISABLE_CPU_KERNELS"):
+    if envs.TOKENMILL_DISABLE_CPU_KERNELS:
         return None
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:

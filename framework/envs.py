@@ -1,0 +1,130 @@
+"""Every ``TOKENMILL_*`` environment variable tokenmill reads, with its type, default and doc.
+
+As vLLM's ``vllm.envs``: ``envs.TOKENMILL_CACHE_DIR`` reads the environment when accessed, so a
+change (or a test's ``monkeypatch.setenv``) takes effect at once. An unset or empty variable has
+its default; a value of the wrong type is a ``ValueError`` naming the variable. Kept free of
+heavy imports: the ``tokenmill`` command lists these in its ``--help``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+EnvType = Literal["str", "int", "float", "bool", "list"]
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def _parse_bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value not in _TRUE + _FALSE:
+        raise ValueError(f"expected one of {', '.join(_TRUE + _FALSE)}")
+    return value in _TRUE
+
+
+def _parse_list(text: str) -> list[str] | None:
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    return names or None
+
+
+_PARSERS: dict[EnvType, Callable[[str], Any]] = {
+    "str": str,
+    "int": int,
+    "float": float,
+    "bool": _parse_bool,
+    "list": _parse_list,
+}
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    """One environment variable: its type (how its text is parsed), its value when unset or
+    empty, and what it does."""
+
+    type: EnvType
+    default: Any
+    doc: str
+
+    def read(self, name: str) -> Any:
+        """The variable's value now."""
+        text = os.environ.get(name, "")
+        if not text.strip():
+            return self.default
+        try:
+            return _PARSERS[self.type](text)
+        except ValueError as e:
+            raise ValueError(f"{name}={text!r} is not a valid {self.type}: {e}") from None
+
+    def describe(self) -> str:
+        """The doc with the type and the default (when it is not None), as ``tokenmill --help``
+        shows it."""
+        if self.default is None:
+            return f"{self.doc} ({self.type})"
+        default = int(self.default) if self.type == "bool" else self.default
+        return f"{self.doc} ({self.type}, default: {default})"
+
+
+ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
+    "TOKENMILL_PLUGINS": EnvVar(
+        "list",
+        None,
+        "comma-separated entry-point names of the plugins to load (the built-ins: platforms, "
+        "attention_backends, models, commands); unset: all installed",
+    ),
+    "TOKENMILL_PLATFORM": EnvVar(
+        "str", None, "platform to use instead of auto-detection; the platform argument wins"
+    ),
+    "TOKENMILL_ATTENTION_BACKEND": EnvVar(
+        "str",
+        None,
+        "attention backend to use instead of the platform's candidates; the attention_backend "
+        "argument wins",
+    ),
+    "TOKENMILL_CACHE_DIR": EnvVar(
+        "str",
+        None,
+        "cache root for the converted default model and the compiled CPU kernels; unset: "
+        "$XDG_CACHE_HOME/tokenmill, else ~/.cache/tokenmill",
+    ),
+    "TOKENMILL_CPU_KVCACHE_SPACE": EnvVar(
+        "float",
+        2.0,
+        "KV-cache size in GiB on a CPU platform when kv_cache_memory_bytes and num_kv_blocks "
+        "are unset, at most a quarter of the available memory",
+    ),
+    "TOKENMILL_CPU_THREADS": EnvVar(
+        "int", None, "torch threads of an engine on a CPU platform; unset: torch's default"
+    ),
+    "TOKENMILL_DISABLE_CPU_KERNELS": EnvVar(
+        "bool", False, "use torch ops instead of the C kernels compiled on first use"
+    ),
+    "TOKENMILL_LOGGING_LEVEL": EnvVar(
+        "str", "INFO", "level of the tokenmill logger: DEBUG, INFO, WARNING, ERROR or CRITICAL"
+    ),
+    "TOKENMILL_CONFIGURE_LOGGING": EnvVar(
+        "bool",
+        True,
+        "give the tokenmill logger its own stderr handler and level; 0: leave it to the "
+        "application's logging configuration",
+    ),
+    "TOKENMILL_API_KEY": EnvVar(
+        "str",
+        None,
+        "key 'tokenmill serve' requires as 'Authorization: Bearer KEY' on /v1 when --api-key "
+        "is not given; unset: no key",
+    ),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in ENVIRONMENT_VARIABLES:
+        return ENVIRONMENT_VARIABLES[name].read(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *ENVIRONMENT_VARIABLES])
