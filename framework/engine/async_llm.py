@@ -8,12 +8,17 @@ import itertools
 import logging
 import queue
 import threading
-import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from tokenmill.engine.llm_engine import LLMEngine, PromptType, load_tokenizer, prompt_cache_salt
+from tokenmill.engine.input_processor import (
+    InputProcessor,
+    ProcessedRequest,
+    PromptType,
+    load_tokenizer,
+)
+from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.output_processor import RequestOutputKind
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
@@ -94,11 +99,8 @@ class RequestStream:
 
 @dataclass
 class _Add:
-    request_id: str
-    prompt: dict[str, Any]
-    params: SamplingParams
+    request: ProcessedRequest
     output_kind: RequestOutputKind
-    arrival_time: float
     loop: asyncio.AbstractEventLoop
 
 
@@ -134,6 +136,12 @@ class AsyncLLM:
         self.stat_loggers = list(stat_loggers or [])
         config = engine.config
         self.tokenizer = load_tokenizer(config.tokenizer or config.model_path)
+        self.input_processor = InputProcessor(
+            config,
+            self.tokenizer,
+            engine.input_processor.max_model_len,
+            engine.input_processor.max_prompt_tokens,
+        )
         self._commands: queue.SimpleQueue[_Add | _Abort | object] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
         self._ids = itertools.count()
@@ -160,7 +168,7 @@ class AsyncLLM:
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """The prompt's text and token ids, checked against the vocabulary and the context;
         raises ``ValueError``. Uses this object's tokenizer, never the engine thread's."""
-        return self.engine.tokenize_prompt(prompt, self.tokenizer)
+        return self.input_processor.tokenize_prompt(prompt)
 
     async def add_request(
         self,
@@ -184,29 +192,13 @@ class AsyncLLM:
             raise QueueFullError(
                 f"the server is at capacity ({self.max_pending_requests} unfinished requests)"
             )
-        params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise ValueError("sampling_params must be a SamplingParams")
-        text, ids = self.tokenize_prompt(prompt)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        stream = RequestStream(request_id, len(ids), output_kind)
+        request = self.input_processor.process(request_id, prompt, params)
+        stream = RequestStream(request_id, len(request.prompt_token_ids), output_kind)
         self._streams[request_id] = stream
-        self._commands.put(
-            _Add(
-                request_id,
-                {
-                    "prompt": text,
-                    "prompt_token_ids": ids,
-                    "cache_salt": prompt_cache_salt(prompt),
-                },
-                params,
-                output_kind,
-                time.monotonic(),
-                asyncio.get_running_loop(),
-            )
-        )
+        self._commands.put(_Add(request, output_kind, asyncio.get_running_loop()))
         return stream
 
     async def generate(
@@ -260,17 +252,12 @@ class AsyncLLM:
                     return
                 if isinstance(command, _Add):
                     loop = command.loop
+                    request_id = command.request.request_id
                     try:
-                        self.engine.add_request(
-                            command.request_id,
-                            command.prompt,
-                            command.params,
-                            command.arrival_time,
-                            output_kind=command.output_kind,
-                        )
-                        active.add(command.request_id)
+                        self.engine.add_processed_request(command.request, command.output_kind)
+                        active.add(request_id)
                     except Exception as e:
-                        failures.append((command.request_id, e))
+                        failures.append((request_id, e))
                 elif isinstance(command, _Abort) and command.request_id in active:
                     outputs += self.engine.abort_request(command.request_id)
             if active:
