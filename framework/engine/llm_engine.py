@@ -9,7 +9,7 @@ from typing import Any
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.request import RequestStatus
-from tokenmill.engine.engine_core import EngineCore
+from tokenmill.engine.core_client import InprocClient
 from tokenmill.engine.input_processor import (
     InputProcessor,
     ProcessedRequest,
@@ -34,9 +34,9 @@ class LLMEngine:
                 "({'prompt_token_ids': [...]}) and outputs carry token ids with empty text",
                 tokenizer_path,
             )
-        self.engine_core = EngineCore(config)
+        self.engine_core = InprocClient(config)
         self.input_processor = InputProcessor(
-            config, self.tokenizer, config.max_model_len, self.engine_core.max_prompt_tokens()
+            config, self.tokenizer, self.engine_core.max_model_len, self.engine_core.max_prompt_tokens
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.vocab_size = self.input_processor.vocab_size
@@ -91,7 +91,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step; return the requests that got new tokens or finished."""
-        core_outputs = self.engine_core.step()
+        core_outputs = self.engine_core.get_output()
         self.output_processor.mark_scheduled(core_outputs.scheduled_req_ids, core_outputs.timestamp)
         processed = self.output_processor.process(core_outputs.outputs)
         for child_id, stop_str in processed.stopped_by_string:
@@ -99,7 +99,7 @@ class LLMEngine:
         return processed.request_outputs
 
     def has_unfinished_requests(self) -> bool:
-        return self.engine_core.has_unfinished_requests()
+        return self.output_processor.has_unfinished_requests()
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.output_processor.requests)
