@@ -311,8 +311,9 @@ def get_registry(kind: str, strict: bool = True) -> Registry:
 
 
 def register(kind: str, name: str, target: str | type) -> None:
-    """Register a class, or a lazy ``"module:Class"`` path, at run time in this process only
-    (worker processes see entry points only).
+    """Register a class, or a lazy ``"module:Class"`` path, at run time in this process
+    (an engine-core process repeats them, see ``runtime_registrations``; a class must then be
+    importable by its path).
 
     A runtime registration replaces an entry-point one of the same name.
     """
@@ -325,6 +326,11 @@ def register(kind: str, name: str, target: str | type) -> None:
         raise ValueError(f"target {target!r} must be 'module:Class' or a class")
     get_registry(kind, strict=False).add(reg, replace=True)
     _runtime.append(reg)
+
+
+def runtime_registrations() -> list[tuple[str, str, str]]:
+    """``(kind, name, "module:Class")`` of each runtime registration, in order."""
+    return [(reg.kind, reg.name, reg.target) for reg in _runtime]
 
 
 def register_platform(name: str, target: str | type) -> None:

@@ -1,5 +1,5 @@
-"""``AsyncLLM`` in process: concurrent streams join one running batch, aborts free their
-blocks, bad requests fail alone, and the engine loop outlives a failing step."""
+"""``AsyncLLM``: concurrent streams join one running batch, aborts free their blocks, bad
+requests fail alone, and the engine loop outlives a failing step."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import time
 import pytest
 
 from tokenmill.engine.async_llm import AsyncLLM, QueueFullError, RequestStream
+from tokenmill.engine.engine_core import EngineCore
 from tokenmill.engine.output_processor import RequestOutputKind
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
@@ -121,23 +122,27 @@ def test_queue_full(llm):
     wait_all_blocks_free(llm)
 
 
-def test_failing_step_fails_its_requests_and_loop_survives(llm, monkeypatch):
-    real_step = llm.engine.step
+def test_failing_step_fails_its_requests_and_loop_survives(monkeypatch):
+    real_step = EngineCore.step
     calls = {"n": 0}
 
-    def flaky_step():
+    def flaky_step(self):
         calls["n"] += 1
         if calls["n"] == 2:
             raise RuntimeError("boom")
-        return real_step()
+        return real_step(self)
 
-    monkeypatch.setattr(llm.engine, "step", flaky_step)
+    monkeypatch.setattr(EngineCore, "step", flaky_step)
+    llm = AsyncLLM.from_engine_args(engine_process=False, num_kv_blocks=64, max_model_len=512)
 
     async def main():
         with pytest.raises(RuntimeError, match="boom"):
             await collect(llm, PROMPTS[3], SamplingParams(max_tokens=50, ignore_eos=True))
         return await collect(llm, PROMPTS[3], SamplingParams(temperature=0, max_tokens=4))
 
-    text, finish, _ = asyncio.run(main())
-    assert text and finish in ("stop", "length") and llm.is_running()
-    wait_all_blocks_free(llm)
+    try:
+        text, finish, _ = asyncio.run(main())
+        assert text and finish in ("stop", "length") and llm.is_running()
+        wait_all_blocks_free(llm)
+    finally:
+        llm.shutdown()

@@ -104,7 +104,7 @@ def test_priority_preemption_with_prefix_caching_same_outputs(tiny_llama):
 def test_failed_step_does_not_poison_the_prefix_cache(tiny_llama, monkeypatch):
     llm = LLM(tiny_llama, num_kv_blocks=64, block_size=4)
     prompt = {"prompt_token_ids": list(range(30, 60))}
-    executor = llm.llm_engine.engine_core.executor
+    executor = llm.llm_engine.engine_core.engine_core.executor
 
     def broken(scheduler_output):
         raise RuntimeError("kernel error")

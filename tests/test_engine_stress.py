@@ -57,7 +57,7 @@ def run_case(seed: int, model: str, roomy: LLM) -> None:
         attention_backend=rng.choice(["torch", "cpu_sdpa"]),
     )
     engine = llm.llm_engine
-    max_prompt = engine.engine_core.max_prompt_tokens()
+    max_prompt = engine.engine_core.max_prompt_tokens
     shared = [rng.randrange(VOCAB) for _ in range(48)]
     prompts, params = {}, {}
     for i in range(rng.randint(3, 8)):
@@ -65,7 +65,7 @@ def run_case(seed: int, model: str, roomy: LLM) -> None:
         prompts[str(i)] = ids[:max_prompt]
         params[str(i)] = SamplingParams(temperature=0, max_tokens=rng.randint(1, 24), ignore_eos=True, logprobs=5)
     fail_at = rng.choice([None, rng.randint(1, 10)])
-    executor = engine.engine_core.executor
+    executor = engine.engine_core.engine_core.executor
     real_execute = executor.execute_model
 
     pending, finished, step = list(prompts), {}, 0

@@ -1,20 +1,21 @@
-"""The asynchronous engine: a background thread steps an ``LLMEngine`` without pause while any
-number of asyncio callers add, stream and abort requests (vLLM's ``AsyncLLM``)."""
+"""The asynchronous engine (vLLM's ``AsyncLLM``): any number of asyncio callers add, stream and
+abort requests while the engine core steps without pause in its own process."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
 import logging
-import queue
-import threading
-import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from tokenmill.engine.llm_engine import LLMEngine, PromptType, load_tokenizer, prompt_cache_salt
-from tokenmill.engine.output_processor import RequestOutputKind
+from tokenmill.config import EngineConfig
+from tokenmill.core.request import RequestStatus
+from tokenmill.engine.core_client import EngineDeadError, MPClient
+from tokenmill.engine.engine_core import EngineCoreOutputs
+from tokenmill.engine.input_processor import InputProcessor, PromptType, load_tokenizer
+from tokenmill.engine.output_processor import OutputProcessor, RequestOutputKind
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
@@ -25,10 +26,6 @@ DEFAULT_MAX_PENDING_REQUESTS = 1024
 
 class QueueFullError(RuntimeError):
     """The engine already holds ``max_pending_requests`` unfinished requests."""
-
-
-class EngineDeadError(RuntimeError):
-    """The engine was shut down."""
 
 
 @dataclass
@@ -92,66 +89,59 @@ class RequestStream:
         return item
 
 
-@dataclass
-class _Add:
-    request_id: str
-    prompt: dict[str, Any]
-    params: SamplingParams
-    output_kind: RequestOutputKind
-    arrival_time: float
-    loop: asyncio.AbstractEventLoop
-
-
-@dataclass
-class _Abort:
-    request_id: str
-
-
-_SHUTDOWN = object()
-
-
 class AsyncLLM:
     """Serves concurrent requests from one event loop.
 
-    A daemon thread owns the ``LLMEngine`` (which is not thread-safe): between steps it applies
-    the adds and aborts queued by callers, then steps while anything is unfinished, so new
-    requests join the running batch. Outputs go back to the event loop, one hand-off per step.
-    Prompts are tokenized and validated in the caller with a tokenizer of its own, so a bad
-    request raises ``ValueError`` to its caller alone. An engine step that raises fails the
-    requests in flight (their streams raise) and aborts them; the loop keeps serving.
+    The engine core runs ``EngineCoreProc``'s busy loop in a child process (``MPClient``;
+    with ``engine_process=False``, in a thread of this process): between steps it takes the
+    requests and aborts sent to it, then steps while anything is unfinished, so new requests
+    join the running batch. This process keeps the front end, on the event loop: prompts are
+    validated and tokenized once (``InputProcessor``), so a bad request raises
+    ``ValueError`` to its caller alone, and each step's outputs are detokenized, matched
+    against stop strings and streamed (``OutputProcessor``) while the core computes the next
+    step. An engine step that raises fails the requests in flight (their streams raise);
+    the core keeps serving. If the core dies, every stream and every later request raises
+    ``EngineDeadError``.
     """
 
     def __init__(
         self,
-        engine: LLMEngine,
+        config: EngineConfig,
         max_pending_requests: int = DEFAULT_MAX_PENDING_REQUESTS,
         stat_loggers: list[StatLogger] | None = None,
+        engine_process: bool = True,
     ) -> None:
         if max_pending_requests < 1:
             raise ValueError(f"max_pending_requests must be >= 1, got {max_pending_requests}")
-        self.engine = engine
+        self.config = config.finalize()
         self.max_pending_requests = max_pending_requests
         self.stat_loggers = list(stat_loggers or [])
-        config = engine.config
         self.tokenizer = load_tokenizer(config.tokenizer or config.model_path)
-        self._commands: queue.SimpleQueue[_Add | _Abort | object] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
         self._ids = itertools.count()
-        self._stats = engine.get_stats()
-        self._dead = False
-        self._thread = threading.Thread(target=self._run, name="tokenmill-engine", daemon=True)
-        self._thread.start()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._dead: EngineDeadError | None = None
+        self.engine_core = MPClient(config, self._on_core_output, in_thread=not engine_process)
+        self.input_processor = InputProcessor(
+            config, self.tokenizer, self.engine_core.max_model_len, self.engine_core.max_prompt_tokens
+        )
+        self.output_processor = OutputProcessor(self.tokenizer)
 
     @classmethod
     def from_engine_args(
-        cls, max_pending_requests: int = DEFAULT_MAX_PENDING_REQUESTS, **kwargs: Any
+        cls,
+        max_pending_requests: int = DEFAULT_MAX_PENDING_REQUESTS,
+        engine_process: bool = True,
+        **kwargs: Any,
     ) -> AsyncLLM:
         """Build the engine from ``LLM``'s keyword arguments."""
-        return cls(LLMEngine.from_engine_args(**kwargs), max_pending_requests)
+        return cls(
+            EngineConfig.from_kwargs(**kwargs), max_pending_requests, engine_process=engine_process
+        )
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.config.max_model_len
+        return self.engine_core.max_model_len
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -159,8 +149,8 @@ class AsyncLLM:
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """The prompt's text and token ids, checked against the vocabulary and the context;
-        raises ``ValueError``. Uses this object's tokenizer, never the engine thread's."""
-        return self.engine.tokenize_prompt(prompt, self.tokenizer)
+        raises ``ValueError``."""
+        return self.input_processor.tokenize_prompt(prompt)
 
     async def add_request(
         self,
@@ -173,40 +163,32 @@ class AsyncLLM:
 
         Raises ``ValueError`` for an invalid prompt, parameters or a request id in use,
         ``QueueFullError`` when ``max_pending_requests`` are unfinished, and
-        ``EngineDeadError`` after ``shutdown``. ``output_kind`` is DELTA (for streaming) or
-        FINAL_ONLY; cumulative outputs would be shared with the engine thread.
+        ``EngineDeadError`` after ``shutdown`` or once the engine core died. ``output_kind``
+        is DELTA (for streaming) or FINAL_ONLY.
         """
-        if self._dead:
-            raise EngineDeadError("the engine was shut down")
+        if self._dead is not None:
+            raise self._dead
         if output_kind is RequestOutputKind.CUMULATIVE:
             raise ValueError("AsyncLLM streams DELTA or FINAL_ONLY outputs")
         if len(self._streams) >= self.max_pending_requests:
             raise QueueFullError(
                 f"the server is at capacity ({self.max_pending_requests} unfinished requests)"
             )
-        params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise ValueError("sampling_params must be a SamplingParams")
-        text, ids = self.tokenize_prompt(prompt)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        stream = RequestStream(request_id, len(ids), output_kind)
+        request = self.input_processor.process(request_id, prompt, params)
+        self._loop = asyncio.get_running_loop()
+        self.output_processor.add_request(request, output_kind)
+        stream = RequestStream(request_id, len(request.prompt_token_ids), output_kind)
         self._streams[request_id] = stream
-        self._commands.put(
-            _Add(
-                request_id,
-                {
-                    "prompt": text,
-                    "prompt_token_ids": ids,
-                    "cache_salt": prompt_cache_salt(prompt),
-                },
-                params,
-                output_kind,
-                time.monotonic(),
-                asyncio.get_running_loop(),
-            )
-        )
+        try:
+            for child in request.core_requests:
+                self.engine_core.add_request(child)
+        except EngineDeadError:
+            self.output_processor.abort([c.request_id for c in request.core_requests])
+            del self._streams[request_id]
+            raise
         return stream
 
     async def generate(
@@ -227,72 +209,68 @@ class AsyncLLM:
                 self.abort(stream.request_id)
 
     def abort(self, request_id: str) -> None:
-        """Abort a request; its stream ends with a ``finish_reason="abort"`` output."""
-        self._commands.put(_Abort(request_id))
+        """Abort a request; its stream ends with a ``finish_reason="abort"`` output. Call it
+        on the event loop's thread."""
+        children = self.output_processor.unfinished_children(request_id)
+        if not children:
+            return
+        if self._dead is None:
+            self.engine_core.abort_requests(children)
+        self._dispatch(self.output_processor.abort(children))
 
     def get_stats(self) -> dict[str, int]:
-        """The engine's ``get_stats()`` as of the end of its latest step."""
-        return dict(self._stats)
+        """Front-end counters and the engine core's stats as of its latest message."""
+        out = self.output_processor
+        return {
+            "num_requests_finished": out.num_requests_finished,
+            "num_generated_tokens": out.num_generated_tokens,
+            "num_prompt_tokens": out.num_prompt_tokens,
+            **self.engine_core.get_stats(),
+        }
 
     def is_running(self) -> bool:
-        return self._thread.is_alive()
+        return self._dead is None and self.engine_core.is_alive()
 
-    def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the engine thread; unfinished requests are aborted."""
-        self._dead = True
-        self._commands.put(_SHUTDOWN)
-        self._thread.join(timeout)
+    def shutdown(self) -> None:
+        """Stop the engine core; unfinished requests are aborted in the core, and their
+        streams raise ``EngineDeadError``."""
+        if self._dead is None:
+            self._dead = EngineDeadError("the engine was shut down")
+        self.engine_core.shutdown()
+        _hand_over(self._loop, self._fail_all, self._dead)
 
-    def _run(self) -> None:
-        loop: asyncio.AbstractEventLoop | None = None
-        active: set[str] = set()
-        while True:
-            commands = [self._commands.get()] if not active else []
-            commands += _drain(self._commands)
-            outputs: list[RequestOutput] = []
-            failures: list[tuple[str, BaseException]] = []
-            for command in commands:
-                if command is _SHUTDOWN:
-                    self.engine.abort_request(list(active))
-                    if active:
-                        dead = EngineDeadError("the engine was shut down")
-                        _hand_over(loop, self._dispatch, [], [(r, dead) for r in active])
-                    return
-                if isinstance(command, _Add):
-                    loop = command.loop
-                    try:
-                        self.engine.add_request(
-                            command.request_id,
-                            command.prompt,
-                            command.params,
-                            command.arrival_time,
-                            output_kind=command.output_kind,
-                        )
-                        active.add(command.request_id)
-                    except Exception as e:
-                        failures.append((command.request_id, e))
-                elif isinstance(command, _Abort) and command.request_id in active:
-                    outputs += self.engine.abort_request(command.request_id)
-            if active:
-                try:
-                    outputs += self.engine.step()
-                except Exception as e:
-                    logger.exception("engine step failed; failing its %d requests", len(active))
-                    failures += [(r, RuntimeError(f"engine step failed: {e!r}")) for r in active]
-                    outputs += self.engine.abort_request(list(active))
-            active.difference_update(o.request_id for o in outputs if o.finished)
-            active.difference_update(r for r, _ in failures)
-            self._stats = self.engine.get_stats()
-            if outputs or failures:
-                _hand_over(loop, self._dispatch, outputs, failures)
+    def _on_core_output(self, item: EngineCoreOutputs | EngineDeadError) -> None:
+        """Runs on the client's receiving thread: hand each message to the event loop."""
+        if isinstance(item, EngineDeadError):
+            self._dead = EngineDeadError(f"{item}; the server must be restarted")
+            _hand_over(self._loop, self._fail_all, self._dead)
+        else:
+            _hand_over(self._loop, self._process_outputs, item)
 
-    def _dispatch(
-        self, outputs: list[RequestOutput], failures: list[tuple[str, BaseException]]
-    ) -> None:
-        for request_id, error in failures:
-            stream = self._streams.pop(request_id, None)
-            if stream is not None:
-                stream.put(error)
+    def _process_outputs(self, core_outputs: EngineCoreOutputs) -> None:
+        out = self.output_processor
+        if core_outputs.error is not None:
+            logger.error("engine step failed: %s; failing its requests", core_outputs.error)
+            self._fail_all(RuntimeError(f"engine step failed: {core_outputs.error}"))
+            return
+        out.mark_scheduled(core_outputs.scheduled_req_ids, core_outputs.timestamp)
+        processed = out.process(core_outputs.outputs)
+        for child_id, stop_str in processed.stopped_by_string:
+            if self._dead is None:
+                self.engine_core.finish_requests([child_id], RequestStatus.FINISHED_STOPPED, stop_str)
+        self._dispatch(processed.request_outputs)
+
+    def _fail_all(self, error: BaseException) -> None:
+        """Fail every unfinished request with ``error`` and drop it from the core."""
+        children = [c for r in self._streams for c in self.output_processor.unfinished_children(r)]
+        if children and self._dead is None:
+            self.engine_core.abort_requests(children)
+        self.output_processor.abort(children)
+        streams, self._streams = self._streams, {}
+        for stream in streams.values():
+            stream.put(error)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is None:
@@ -346,13 +324,4 @@ def _hand_over(loop: asyncio.AbstractEventLoop | None, callback, *args: Any) -> 
     try:
         loop.call_soon_threadsafe(callback, *args)
     except RuntimeError:
-        logger.warning("event loop closed; dropping outputs of %s", callback.__name__)
-
-
-def _drain(commands: queue.SimpleQueue) -> list[Any]:
-    out = []
-    while True:
-        try:
-            out.append(commands.get_nowait())
-        except queue.Empty:
-            return out
+        logger.debug("event loop closed; dropping a call of %s", callback.__name__)

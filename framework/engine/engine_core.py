@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import logging
+import time
+from dataclasses import dataclass, field
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.kv_cache_manager import KVCacheManager
+from tokenmill.core.kv_cache_utils import make_block_hasher
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.scheduler import EngineCoreOutput, Scheduler, SchedulerConfig
+from tokenmill.engine.input_processor import EngineCoreRequest
 from tokenmill.interfaces.kv_cache_spec import KVCacheSpec
 from tokenmill.worker.executor import UniProcExecutor
 
@@ -33,7 +37,23 @@ def format_bytes(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
+@dataclass
+class EngineCoreOutputs:
+    """What the engine core reports after one step: the step's outputs, the requests it
+    scheduled (at ``timestamp``, monotonic) and, from a busy loop, its stats and errors."""
+
+    outputs: list[EngineCoreOutput] = field(default_factory=list)
+    scheduled_req_ids: list[str] = field(default_factory=list)
+    timestamp: float = 0.0
+    stats: dict[str, int] | None = None
+    error: str | None = None
+    """Set when a step raised: the core then aborted every request it held."""
+
+
 class EngineCore:
+    """Owns the scheduler, the KV-cache manager and the executor; everything outside reaches
+    them through these methods."""
+
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.executor = UniProcExecutor(config)
@@ -48,6 +68,7 @@ class EngineCore:
         self.executor.initialize_kv_cache(num_blocks)
         kv_bytes = num_blocks * sum(spec.page_size_bytes for spec in specs.values())
         self._log_summary(num_blocks, kv_bytes)
+        self.block_hasher = make_block_hasher(config.block_size, config.prefix_caching_hash_algo)
         self.kv_cache_manager = KVCacheManager(
             num_blocks,
             config.block_size,
@@ -93,31 +114,56 @@ class EngineCore:
         admissible = (kv.num_blocks - kv.watermark_blocks) * self.config.block_size - 1
         return min(self.config.max_model_len - 1, admissible)
 
-    def add_request(self, request: Request) -> None:
-        self.scheduler.add_request(request)
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self.scheduler.add_request(
+            Request(
+                request.request_id,
+                request.prompt_token_ids,
+                request.sampling_params,
+                request.eos_token_id,
+                request.max_tokens,
+                arrival_time=request.arrival_time,
+                priority=request.priority,
+                cache_salt=request.cache_salt,
+                block_hasher=self.block_hasher,
+            )
+        )
 
     def abort_requests(self, req_ids: list[str]) -> None:
-        self.scheduler.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED)
+        self.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED)
+
+    def abort_all_requests(self) -> None:
+        self.abort_requests(list(self.scheduler.requests))
+
+    def finish_requests(
+        self, req_ids: list[str], status: RequestStatus, stop_reason: int | str | None = None
+    ) -> None:
+        """Finish unfinished requests from outside a step (aborts, matched stop strings) and
+        free their blocks; unknown or finished ids are ignored."""
+        self.scheduler.finish_requests(req_ids, status, stop_reason)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
-    def step(self) -> list[EngineCoreOutput]:
+    def step(self) -> EngineCoreOutputs:
         """Schedule, execute, update. If execution raises, the step's requests are failed
         (see ``Scheduler.fail_step``) before the exception propagates; the caller reports them."""
         if not self.scheduler.has_unfinished_requests():
-            return []
+            return EngineCoreOutputs(timestamp=time.monotonic())
+        start = time.monotonic()
         scheduler_output = self.scheduler.schedule()
         try:
             model_output = self.executor.execute_model(scheduler_output)
         except Exception:
             self.scheduler.fail_step(scheduler_output)
             raise
-        return self.scheduler.update_from_output(
+        outputs = self.scheduler.update_from_output(
             scheduler_output, model_output.sampled_token_ids, model_output.logprobs
         )
+        return EngineCoreOutputs(outputs, list(scheduler_output.num_scheduled_tokens), start)
 
     def get_stats(self) -> dict[str, int]:
+        """Scheduler and KV-cache counters."""
         kv = self.kv_cache_manager
         return {
             "num_running_requests": len(self.scheduler.running),

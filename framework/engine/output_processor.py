@@ -11,8 +11,8 @@ from transformers import PreTrainedTokenizerBase
 
 from tokenmill.core.scheduler import EngineCoreOutput
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
+from tokenmill.engine.input_processor import ProcessedRequest
 from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from tokenmill.sampling_params import SamplingParams
 
 
 class RequestOutputKind(Enum):
@@ -99,15 +99,11 @@ class OutputProcessor:
         self.num_prompt_tokens = 0
 
     def add_request(
-        self,
-        request_id: str,
-        prompt: str | None,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        child_ids: list[str],
-        arrival_time: float,
-        output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+        self, request: ProcessedRequest, output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     ) -> None:
+        prompt_token_ids, params = request.prompt_token_ids, request.params
+        child_ids = [c.request_id for c in request.core_requests]
+        arrival_time = request.arrival_time
         detokenizers = [
             IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
             if self.tokenizer is not None
@@ -119,8 +115,8 @@ class OutputProcessor:
             for i in range(len(child_ids))
         ]
         state = RequestState(
-            request_id,
-            prompt,
+            request.request_id,
+            request.prompt,
             prompt_token_ids,
             child_ids,
             completions,
@@ -129,7 +125,7 @@ class OutputProcessor:
             [RequestMetrics(arrival_time) for _ in child_ids],
             output_kind,
         )
-        self.requests[request_id] = state
+        self.requests[request.request_id] = state
         for i, child_id in enumerate(child_ids):
             self.child_to_parent[child_id] = (state, i)
         self.num_prompt_tokens += len(prompt_token_ids) * len(child_ids)

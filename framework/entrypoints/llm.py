@@ -9,7 +9,7 @@ from typing import Any
 from tqdm import tqdm
 
 from tokenmill.config import EngineConfig
-from tokenmill.engine.llm_engine import LLMEngine, PromptType, prompt_cache_salt
+from tokenmill.engine.llm_engine import LLMEngine, PromptType
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
@@ -66,21 +66,13 @@ class LLM:
         if len(priorities) != len(prompts):
             raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
         engine = self.llm_engine
-        tokenized = []
-        for prompt in prompts:
-            text, token_ids = engine.tokenize_prompt(prompt)
-            tokenized.append(
-                {
-                    "prompt": text,
-                    "prompt_token_ids": token_ids,
-                    "cache_salt": prompt_cache_salt(prompt),
-                }
-            )
-        ids = []
-        for prompt, params, prio in zip(tokenized, params_list, priorities):
-            request_id = engine.next_request_id()
-            engine.add_request(request_id, prompt, params, priority=prio)
-            ids.append(request_id)
+        requests = [
+            engine.input_processor.process(engine.next_request_id(), prompt, params, priority=prio)
+            for prompt, params, prio in zip(prompts, params_list, priorities)
+        ]
+        for request in requests:
+            engine.add_processed_request(request)
+        ids = [r.request_id for r in requests]
         return self._run(ids, use_tqdm)
 
     def chat(

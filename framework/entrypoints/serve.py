@@ -30,6 +30,13 @@ def register_subcommand(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="unfinished requests at which new ones get 503; None: 1024",
     )
+    parser.add_argument(
+        "--engine-process",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run the engine core in its own process (--no-engine-process: in a thread of the "
+        "server's)",
+    )
     parser.add_argument("--uvicorn-log-level", default="info", help="uvicorn's log level")
     add_engine_args(parser)
     parser.set_defaults(func=run)
@@ -47,7 +54,9 @@ def run(args: argparse.Namespace) -> int:
         if args.max_pending_requests is None
         else {"max_pending_requests": args.max_pending_requests}
     )
-    engine = AsyncLLM.from_engine_args(**limit, **engine_kwargs(args))
+    engine = AsyncLLM.from_engine_args(
+        **limit, engine_process=args.engine_process, **engine_kwargs(args)
+    )
     names = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
     app = build_app(engine, names, args.api_key or envs.TOKENMILL_API_KEY)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)

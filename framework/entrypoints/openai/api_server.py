@@ -66,7 +66,7 @@ def build_app(
     engine.stat_loggers.append(metrics)
     completions = OpenAIServingCompletion(engine, served_model_names)
     chat = OpenAIServingChat(engine, served_model_names)
-    root = engine.engine.config.model_path
+    root = engine.config.model_path
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

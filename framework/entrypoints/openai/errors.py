@@ -8,7 +8,8 @@ from http import HTTPStatus
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from tokenmill.engine.async_llm import EngineDeadError, QueueFullError
+from tokenmill.engine.async_llm import QueueFullError
+from tokenmill.engine.core_client import EngineDeadError
 from tokenmill.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
 
 MAX_PROBLEMS = 3
@@ -60,7 +61,7 @@ def from_exception(e: Exception, params: tuple[str, ...] = ()) -> OpenAIError:
             str(e), HTTPStatus.SERVICE_UNAVAILABLE, "server_error", code="server_overloaded"
         )
     if isinstance(e, EngineDeadError):
-        return OpenAIError(str(e), HTTPStatus.SERVICE_UNAVAILABLE, "server_error")
+        return OpenAIError(str(e), HTTPStatus.INTERNAL_SERVER_ERROR, "server_error")
     return OpenAIError(f"internal error: {e!r}", HTTPStatus.INTERNAL_SERVER_ERROR, "server_error")
 
 

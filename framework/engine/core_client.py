@@ -1,0 +1,249 @@
+"""Clients of the engine core (vLLM V1's ``EngineCoreClient``): ``InprocClient`` calls an
+``EngineCore`` in this process (``LLM``); ``MPClient`` runs it in a busy loop in a child
+process (``AsyncLLM``, ``tokenmill serve``) and talks to it over ZMQ with msgpack."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import shutil
+import tempfile
+import threading
+from collections.abc import Callable
+
+import zmq
+
+from tokenmill import plugins
+from tokenmill.config import EngineConfig
+from tokenmill.core.request import RequestStatus
+from tokenmill.engine.core_proc import (
+    ABORT,
+    ADD,
+    FINISH,
+    OUTPUTS,
+    POLL_INTERVAL_MS,
+    READY,
+    SHUTDOWN,
+    STARTUP_ERROR,
+    FinishRequests,
+    decode,
+    encoder,
+    run_engine_core,
+)
+from tokenmill.engine.engine_core import EngineCore, EngineCoreOutputs
+from tokenmill.engine.input_processor import EngineCoreRequest
+
+logger = logging.getLogger(__name__)
+
+SHUTDOWN_TIMEOUT_S = 10.0
+
+
+class EngineDeadError(RuntimeError):
+    """The engine core was shut down or died; no request can run on it any more."""
+
+
+class EngineCoreClient:
+    """What a front end asks of the engine core. ``max_model_len`` and
+    ``max_prompt_tokens`` are the core's limits, which prompts are checked against."""
+
+    max_model_len: int
+    max_prompt_tokens: int
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        raise NotImplementedError
+
+    def abort_requests(self, req_ids: list[str]) -> None:
+        raise NotImplementedError
+
+    def finish_requests(
+        self, req_ids: list[str], status: RequestStatus, stop_reason: int | str | None = None
+    ) -> None:
+        """Finish requests from outside a step, e.g. on a stop string the front end matched."""
+        raise NotImplementedError
+
+    def get_stats(self) -> dict[str, int]:
+        raise NotImplementedError
+
+    def shutdown(self) -> None:
+        """Release the engine core; the client is unusable afterwards."""
+
+
+class InprocClient(EngineCoreClient):
+    """The engine core in this process, stepped by the caller through ``get_output``."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.engine_core = EngineCore(config)
+        self.max_model_len = config.max_model_len
+        self.max_prompt_tokens = self.engine_core.max_prompt_tokens()
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self.engine_core.add_request(request)
+
+    def abort_requests(self, req_ids: list[str]) -> None:
+        self.engine_core.abort_requests(req_ids)
+
+    def finish_requests(
+        self, req_ids: list[str], status: RequestStatus, stop_reason: int | str | None = None
+    ) -> None:
+        self.engine_core.finish_requests(req_ids, status, stop_reason)
+
+    def get_output(self) -> EngineCoreOutputs:
+        """Run one step; raises what the step raised (its requests are failed first)."""
+        return self.engine_core.step()
+
+    def get_stats(self) -> dict[str, int]:
+        return self.engine_core.get_stats()
+
+
+class MPClient(EngineCoreClient):
+    """Runs ``EngineCoreProc``'s busy loop in a spawned child process (or, with
+    ``in_thread``, in a daemon thread of this one) and talks to it over ZMQ ``ipc://``
+    sockets in a private temporary directory.
+
+    Requests go out from the caller's thread (always the same one). A thread of the client
+    receives the core's messages and passes each ``EngineCoreOutputs`` to ``output_handler``;
+    if the core dies, it passes an ``EngineDeadError`` instead and stops. The child process
+    exits when this process dies. Raises ``ValueError`` or ``RuntimeError`` if the core fails
+    to start.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        output_handler: Callable[[EngineCoreOutputs | EngineDeadError], None],
+        in_thread: bool = False,
+    ) -> None:
+        self.output_handler = output_handler
+        self._dir = tempfile.mkdtemp(prefix="tokenmill-ipc-")
+        input_address = f"ipc://{os.path.join(self._dir, 'input')}"
+        output_address = f"ipc://{os.path.join(self._dir, 'output')}"
+        self._context = zmq.Context()
+        self._input = self._context.socket(zmq.PUSH)
+        self._input.setsockopt(zmq.SNDHWM, 0)
+        self._input.setsockopt(zmq.LINGER, 0)
+        self._input.bind(input_address)
+        self._output = self._context.socket(zmq.PULL)
+        self._output.bind(output_address)
+        self._stopping = False
+        self._stats: dict[str, int] = {}
+        args = (
+            config,
+            input_address,
+            output_address,
+            None if in_thread else os.getpid(),
+            plugins.runtime_registrations(),
+        )
+        if in_thread:
+            self._core: threading.Thread | multiprocessing.process.BaseProcess = threading.Thread(
+                target=run_engine_core, args=args, name="tokenmill-engine-core", daemon=True
+            )
+        else:
+            self._core = multiprocessing.get_context("spawn").Process(
+                target=run_engine_core, args=args, name="tokenmill-engine-core", daemon=True
+            )
+        try:
+            self._core.start()
+            self._wait_ready()
+        except BaseException:
+            self._stop_core()
+            self._close()
+            raise
+        self._reader = threading.Thread(
+            target=self._read_outputs, name="tokenmill-core-outputs", daemon=True
+        )
+        self._reader.start()
+
+    @property
+    def pid(self) -> int:
+        """The engine core's process id (this process's with ``in_thread``)."""
+        return getattr(self._core, "pid", None) or os.getpid()
+
+    def is_alive(self) -> bool:
+        return self._core.is_alive()
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self._send(ADD, request)
+
+    def abort_requests(self, req_ids: list[str]) -> None:
+        self._send(ABORT, req_ids)
+
+    def finish_requests(
+        self, req_ids: list[str], status: RequestStatus, stop_reason: int | str | None = None
+    ) -> None:
+        self._send(FINISH, FinishRequests(req_ids, int(status), stop_reason))
+
+    def get_stats(self) -> dict[str, int]:
+        """The core's stats as of its latest message."""
+        return self._stats
+
+    def shutdown(self) -> None:
+        if self._stopping:
+            return
+        self._stopping = True
+        self._stop_core()
+        self._reader.join(SHUTDOWN_TIMEOUT_S)
+        self._close()
+
+    def _send(self, kind: bytes, payload: object) -> None:
+        if self._stopping or not self.is_alive():
+            raise EngineDeadError(self._death_message())
+        try:
+            self._input.send_multipart([kind, encoder.encode(payload)], zmq.NOBLOCK)
+        except zmq.Again:
+            raise EngineDeadError(self._death_message()) from None
+
+    def _recv(self) -> tuple[bytes, object] | None:
+        """The next message; None once the core is gone and nothing is left to read."""
+        while not self._output.poll(POLL_INTERVAL_MS):
+            if not self.is_alive():
+                return None
+        return decode(self._output.recv_multipart())
+
+    def _wait_ready(self) -> None:
+        message = self._recv()
+        if message is None:
+            raise RuntimeError(f"{self._death_message()} while starting")
+        kind, payload = message
+        if kind == STARTUP_ERROR:
+            error = ValueError if payload.type == "ValueError" else RuntimeError
+            raise error(payload.message)
+        assert kind == READY
+        self.max_model_len = payload.max_model_len
+        self.max_prompt_tokens = payload.max_prompt_tokens
+        self._stats = payload.stats
+
+    def _read_outputs(self) -> None:
+        while True:
+            message = self._recv()
+            if message is None:
+                if not self._stopping:
+                    logger.error("%s", self._death_message())
+                    self.output_handler(EngineDeadError(self._death_message()))
+                return
+            kind, outputs = message
+            assert kind == OUTPUTS
+            self._stats = outputs.stats
+            self.output_handler(outputs)
+
+    def _death_message(self) -> str:
+        if self._stopping:
+            return "the engine was shut down"
+        code = getattr(self._core, "exitcode", None)
+        how = "" if code is None else f" with exit code {code}"
+        return f"the engine core ({self._core.name}, pid {self.pid}) died{how}"
+
+    def _stop_core(self) -> None:
+        if self._core.is_alive():
+            try:
+                self._input.send_multipart([SHUTDOWN, encoder.encode(None)], zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+            self._core.join(SHUTDOWN_TIMEOUT_S)
+        if isinstance(self._core, multiprocessing.process.BaseProcess) and self._core.is_alive():
+            self._core.kill()
+            self._core.join()
+
+    def _close(self) -> None:
+        self._context.destroy(linger=0)
+        shutil.rmtree(self._dir, ignore_errors=True)

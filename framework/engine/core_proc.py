@@ -1,0 +1,168 @@
+"""``EngineCoreProc``: the engine core's busy loop between two ZMQ sockets (vLLM V1's
+``EngineCoreProc``), and the msgpack messages that cross them.
+
+The loop pulls adds, aborts and finishes from its input socket, steps while any request is
+unfinished, and pushes each step's ``EngineCoreOutputs`` (with the core's stats) on its output
+socket. Token ids travel as msgpack lists: no tensor crosses the boundary.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import msgspec
+import zmq
+
+from tokenmill import plugins
+from tokenmill.config import EngineConfig
+from tokenmill.core.request import RequestStatus
+from tokenmill.engine.engine_core import EngineCore, EngineCoreOutputs
+from tokenmill.engine.input_processor import EngineCoreRequest
+
+logger = logging.getLogger(__name__)
+
+POLL_INTERVAL_MS = 100
+"""How long an idle loop waits for input before checking that its parent is alive."""
+
+ADD, ABORT, FINISH, SHUTDOWN = b"add", b"abort", b"finish", b"shutdown"
+"""Input message kinds (first frame); the second frame is the msgpack payload."""
+READY, STARTUP_ERROR, OUTPUTS = b"ready", b"startup_error", b"outputs"
+"""Output message kinds."""
+
+
+@dataclass
+class FinishRequests:
+    """Finish these requests with ``status`` (a stop string the front end matched)."""
+
+    req_ids: list[str]
+    status: int
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class EngineCoreInfo:
+    """What the core tells its client once it is ready: the limits prompts are checked
+    against (the core may have lowered ``max_model_len`` to its KV cache) and its stats."""
+
+    max_model_len: int
+    max_prompt_tokens: int
+    stats: dict[str, int]
+
+
+@dataclass
+class StartupError:
+    type: str
+    message: str
+
+
+encoder = msgspec.msgpack.Encoder()
+DECODERS = {
+    ADD: msgspec.msgpack.Decoder(EngineCoreRequest),
+    ABORT: msgspec.msgpack.Decoder(list[str]),
+    FINISH: msgspec.msgpack.Decoder(FinishRequests),
+    SHUTDOWN: msgspec.msgpack.Decoder(None),
+    READY: msgspec.msgpack.Decoder(EngineCoreInfo),
+    STARTUP_ERROR: msgspec.msgpack.Decoder(StartupError),
+    OUTPUTS: msgspec.msgpack.Decoder(EngineCoreOutputs),
+}
+
+
+def decode(frames: list[bytes]) -> tuple[bytes, object]:
+    kind, payload = frames
+    return kind, DECODERS[kind].decode(payload)
+
+
+class EngineCoreProc:
+    """Runs one ``EngineCore`` in a busy loop. ``parent_pid``: exit when this process is no
+    longer the parent's child (the parent died); None in a thread."""
+
+    def __init__(
+        self,
+        engine_core: EngineCore,
+        input_socket: zmq.Socket,
+        output_socket: zmq.Socket,
+        parent_pid: int | None,
+    ) -> None:
+        self.engine_core = engine_core
+        self.input = input_socket
+        self.output = output_socket
+        self.parent_pid = parent_pid
+
+    def run_busy_loop(self) -> None:
+        """Serve until a shutdown message or the parent's death."""
+        core = self.engine_core
+        while True:
+            if self.parent_pid is not None and os.getppid() != self.parent_pid:
+                logger.warning("the front-end process died; the engine core exits")
+                return
+            changed = False
+            if not core.has_unfinished_requests() and not self.input.poll(POLL_INTERVAL_MS):
+                continue
+            while True:
+                try:
+                    kind, payload = decode(self.input.recv_multipart(zmq.NOBLOCK))
+                except zmq.Again:
+                    break
+                if kind == SHUTDOWN:
+                    core.abort_all_requests()
+                    return
+                self._handle(kind, payload)
+                changed = True
+            if core.has_unfinished_requests():
+                try:
+                    outputs = core.step()
+                except Exception as e:
+                    logger.exception("engine step failed; aborting every request")
+                    core.abort_all_requests()
+                    outputs = EngineCoreOutputs(error=repr(e))
+            elif changed:
+                outputs = EngineCoreOutputs()
+            else:
+                continue
+            outputs.stats = core.get_stats()
+            self.output.send_multipart([OUTPUTS, encoder.encode(outputs)])
+
+    def _handle(self, kind: bytes, payload: object) -> None:
+        if kind == ADD:
+            self.engine_core.add_request(payload)
+        elif kind == ABORT:
+            self.engine_core.abort_requests(payload)
+        elif kind == FINISH:
+            self.engine_core.finish_requests(
+                payload.req_ids, RequestStatus(payload.status), payload.stop_reason
+            )
+
+
+def run_engine_core(
+    config: EngineConfig,
+    input_address: str,
+    output_address: str,
+    parent_pid: int | None,
+    registrations: list[tuple[str, str, str]],
+) -> None:
+    """Entry point of the engine-core process (or thread): repeat the parent's runtime plugin
+    registrations, build the ``EngineCore``, report ready (or the error that stopped it) and
+    run the busy loop."""
+    if parent_pid is not None:
+        for kind, name, target in registrations:
+            plugins.register(kind, name, target)
+    context = zmq.Context()
+    input_socket = context.socket(zmq.PULL)
+    input_socket.connect(input_address)
+    output_socket = context.socket(zmq.PUSH)
+    output_socket.setsockopt(zmq.SNDHWM, 0)
+    output_socket.connect(output_address)
+    try:
+        try:
+            core = EngineCore(config)
+        except Exception as e:
+            error = StartupError(type(e).__name__, str(e))
+            output_socket.send_multipart([STARTUP_ERROR, encoder.encode(error)])
+            return
+        info = EngineCoreInfo(config.max_model_len, core.max_prompt_tokens(), core.get_stats())
+        output_socket.send_multipart([READY, encoder.encode(info)])
+        EngineCoreProc(core, input_socket, output_socket, parent_pid).run_busy_loop()
+    finally:
+        context.destroy(linger=1000)

@@ -1,0 +1,195 @@
+"""The one input processor: validates and tokenizes a prompt and prepares its sampling
+parameters once, producing the ``EngineCoreRequest``s the engine core runs (vLLM's
+``InputProcessor``)."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, replace
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from tokenmill.config import EngineConfig
+from tokenmill.model_loader.loader import load_generation_config
+from tokenmill.sampling_params import SamplingParams
+
+PromptType = str | dict[str, Any]
+
+
+@dataclass
+class EngineCoreRequest:
+    """One completion as the engine core receives it: plain fields only, so it crosses a
+    process boundary as msgpack. ``n > 1`` requests arrive as n of these."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None
+    max_tokens: int
+    arrival_time: float
+    priority: int = 0
+    cache_salt: str | None = None
+
+
+@dataclass
+class ProcessedRequest:
+    """A validated, tokenized request: what the front end keeps about it, and the
+    engine-core requests of its completions."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    core_requests: list[EngineCoreRequest]
+
+
+class InputProcessor:
+    """Turns prompts and ``SamplingParams`` into ``ProcessedRequest``s.
+
+    ``max_model_len`` and ``max_prompt_tokens`` are the engine core's, which may have lowered
+    the configured length to what its KV cache holds."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        tokenizer: PreTrainedTokenizerBase | None,
+        max_model_len: int,
+        max_prompt_tokens: int,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.max_prompt_tokens = max_prompt_tokens
+        self.vocab_size = config.hf_config.vocab_size
+        self.eos_token_id = eos_token_id(tokenizer, config.hf_config)
+        self.generation_config = load_generation_config(config.model_path, config.hf_config)
+
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """Return the prompt text (if any) and its token ids, or raise ``ValueError`` (also for
+        an invalid ``cache_salt``)."""
+        if isinstance(prompt, dict):
+            prompt_cache_salt(prompt)
+            if "prompt_token_ids" in prompt:
+                ids = prompt["prompt_token_ids"]
+                if not isinstance(ids, (list, tuple)) or not all(
+                    isinstance(t, int) and not isinstance(t, bool) for t in ids
+                ):
+                    raise ValueError("prompt_token_ids must be a list of integers")
+                text, ids = prompt.get("prompt"), list(ids)
+            elif "prompt" in prompt:
+                return self.tokenize_prompt(prompt["prompt"])
+            else:
+                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        elif isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer; pass {'prompt_token_ids': [...]}")
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            raise ValueError(f"prompt must be a str or a dict, got {type(prompt).__name__}")
+        self.validate_prompt_ids(ids)
+        return text, ids
+
+    def validate_prompt_ids(self, ids: list[int]) -> None:
+        if not ids:
+            raise ValueError("prompt is empty")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
+            )
+        if len(ids) > self.max_prompt_tokens:
+            raise ValueError(
+                f"prompt is {len(ids)} tokens; at most {self.max_prompt_tokens} fit "
+                f"(max_model_len={self.max_model_len}, one token is kept for the output)"
+            )
+
+    def process(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> ProcessedRequest:
+        """Validate and tokenize ``prompt`` and prepare ``params`` (a copy, with the
+        checkpoint's extra EOS ids); ``n > 1`` becomes n child requests. Raises
+        ``ValueError``."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError("sampling_params must be a SamplingParams")
+        if params.stop and self.tokenizer is None:
+            raise ValueError(
+                "stop strings need a tokenizer and this model has none; use stop_token_ids"
+            )
+        text, ids = self.tokenize_prompt(prompt)
+        params = params.clone()
+        params.update_from_generation_config(self.generation_config, self.eos_token_id)
+        cache_salt = prompt_cache_salt(prompt)
+        arrival_time = arrival_time or time.monotonic()
+        max_tokens = params.max_tokens or self.max_model_len - len(ids)
+        children = [
+            EngineCoreRequest(
+                child_request_id(i, request_id),
+                ids,
+                child_params,
+                self.eos_token_id,
+                max_tokens,
+                arrival_time,
+                priority,
+                cache_salt,
+            )
+            for i, child_params in enumerate(_child_params(params))
+        ]
+        return ProcessedRequest(request_id, text, ids, params, arrival_time, children)
+
+
+def prompt_cache_salt(prompt: PromptType) -> str | None:
+    """The ``cache_salt`` of a prompt dict (None when absent): requests share prefix-cache
+    blocks only when their salts are equal. Raises ``ValueError`` unless a non-empty str."""
+    if not isinstance(prompt, dict):
+        return None
+    salt = prompt.get("cache_salt")
+    if salt is not None and not (isinstance(salt, str) and salt):
+        raise ValueError(f"cache_salt must be a non-empty string, got {salt!r}")
+    return salt
+
+
+def load_tokenizer(path: str):
+    """The HF fast tokenizer in ``path``, or None when the directory has none."""
+    from transformers import AutoTokenizer
+
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    if not any(os.path.exists(os.path.join(path, n)) for n in names):
+        return None
+    return AutoTokenizer.from_pretrained(path)
+
+
+def child_request_id(index: int, request_id: str) -> str:
+    """The engine-core id of completion ``index`` of request ``request_id``.
+
+    Every request, ``n == 1`` included, is named so: as the index has no ``_``, distinct
+    (index, request id) pairs never share an id, whatever ids callers choose."""
+    return f"{index}_{request_id}"
+
+
+def eos_token_id(tokenizer: PreTrainedTokenizerBase | None, hf_config: Any) -> int | None:
+    """The model's EOS id: the tokenizer's, else the first of the HF config's."""
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        return tokenizer.eos_token_id
+    eos = getattr(hf_config, "eos_token_id", None)
+    if isinstance(eos, list):
+        return eos[0] if eos else None
+    return eos
+
+
+def _child_params(params: SamplingParams) -> list[SamplingParams]:
+    """One ``n == 1`` copy of ``params`` per completion, completion i seeded ``seed + i``;
+    raises ``ValueError`` if any copy is invalid."""
+    if params.n == 1:
+        return [params]
+    return [
+        replace(params, n=1, seed=None if params.seed is None else params.seed + i)
+        for i in range(params.n)
+    ]
