@@ -47,6 +47,15 @@ class SamplingParams:
             most likely tokens at each position (0 = only the sampled token's).
         skip_special_tokens: leave special tokens out of the output text.
         include_stop_str_in_output: keep a matched stop string in the output text.
+        presence_penalty: subtracted from the logit of every token already in the output,
+            in [-2, 2].
+        frequency_penalty: times its count in the output, subtracted from each token's logit,
+            in [-2, 2].
+        repetition_penalty: > 0; the logits of tokens in the prompt or the output are divided
+            by it where positive and multiplied by it where negative (1 = off).
+        logit_bias: token id -> bias added to its logit.
+        allowed_token_ids: only these token ids may be sampled.
+        bad_words: not implemented yet; a non-empty list raises ``ValueError``.
 
     Greedy requests (temperature 0) ignore ``top_p``, ``top_k`` and ``min_p``, which are
     reset to their off values. Invalid values raise ``ValueError`` naming the field.
@@ -66,6 +75,12 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
 
     def __post_init__(self) -> None:
         self.n = _check_int("n", self.n, minimum=1)
@@ -98,6 +113,21 @@ class SamplingParams:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         self.stop = _normalise_stop(self.stop)
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _check_float(name, getattr(self, name))
+            if not -2 <= value <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+            setattr(self, name, value)
+        self.repetition_penalty = _check_float("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        self.logit_bias = _normalise_logit_bias(self.logit_bias)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = _check_token_ids("allowed_token_ids", self.allowed_token_ids)
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must not be empty")
+        if self.bad_words:
+            raise ValueError("bad_words is not implemented yet")
         self.stop_token_ids = _normalise_stop_token_ids(self.stop_token_ids)
 
         if self.top_k == -1:
@@ -106,6 +136,25 @@ class SamplingParams:
             if self.n > 1:
                 raise ValueError(f"n must be 1 when using greedy sampling (temperature=0), got {self.n}")
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+
+    @property
+    def uses_penalties(self) -> bool:
+        """Whether any of the presence, frequency or repetition penalties is on."""
+        return (
+            self.presence_penalty != 0
+            or self.frequency_penalty != 0
+            or self.repetition_penalty != 1
+        )
+
+    def check_token_ids(self, vocab_size: int) -> None:
+        """Raise ``ValueError`` naming the field if a ``logit_bias`` or ``allowed_token_ids`` id
+        is outside ``[0, vocab_size)``."""
+        for name, ids in (("logit_bias", self.logit_bias), ("allowed_token_ids", self.allowed_token_ids)):
+            bad = [t for t in ids or () if t >= vocab_size]
+            if bad:
+                raise ValueError(
+                    f"{name} token id {bad[0]} is outside the vocabulary [0, {vocab_size})"
+                )
 
     @property
     def is_greedy(self) -> bool:
@@ -174,9 +223,28 @@ def _normalise_stop(stop: Any) -> list[str]:
 def _normalise_stop_token_ids(ids: Any) -> list[int]:
     if ids is None:
         return []
+    return _check_token_ids("stop_token_ids", ids)
+
+
+def _check_token_ids(name: str, ids: Any) -> list[int]:
     if not isinstance(ids, (list, tuple)):
-        raise ValueError(f"stop_token_ids must be a list of ints, got {ids!r}")
+        raise ValueError(f"{name} must be a list of ints, got {ids!r}")
     for i in ids:
         if not _is_int(i) or i < 0:
-            raise ValueError(f"stop_token_ids must contain only non-negative ints, got {i!r}")
+            raise ValueError(f"{name} must contain only non-negative ints, got {i!r}")
     return [int(i) for i in ids]
+
+
+def _normalise_logit_bias(bias: Any) -> dict[int, float] | None:
+    """``{token id: bias}`` with int ids (numeric strings, as JSON sends them, are accepted)."""
+    if not bias:
+        return None
+    if not isinstance(bias, dict):
+        raise ValueError(f"logit_bias must be a dict of token id -> bias, got {bias!r}")
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        token = int(key) if isinstance(key, str) and key.isdigit() else key
+        if not _is_int(token) or token < 0:
+            raise ValueError(f"logit_bias keys must be non-negative token ids, got {key!r}")
+        out[int(token)] = _check_float("logit_bias", value)
+    return out

@@ -119,3 +119,33 @@ def test_update_from_generation_config_adds_the_other_eos_ids():
     ignored = SamplingParams(ignore_eos=True)
     ignored.update_from_generation_config({"eos_token_id": [2, 9]}, model_eos_token_id=2)
     assert ignored.stop_token_ids == []
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -2.1}, "frequency_penalty"),
+        ({"frequency_penalty": "1"}, "frequency_penalty"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"logit_bias": {"x": 1.0}}, "logit_bias"),
+        ({"logit_bias": {-1: 1.0}}, "logit_bias"),
+        ({"logit_bias": {1: float("inf")}}, "logit_bias"),
+        ({"allowed_token_ids": []}, "allowed_token_ids"),
+        ({"allowed_token_ids": [1, -2]}, "allowed_token_ids"),
+        ({"bad_words": ["foo"]}, "bad_words"),
+    ],
+)
+def test_invalid_penalties_and_biases_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_penalty_fields_normalised():
+    params = SamplingParams(presence_penalty=1, logit_bias={"7": 2, 3: -1.5}, repetition_penalty=1.1)
+    assert params.presence_penalty == 1.0 and params.uses_penalties
+    assert params.logit_bias == {7: 2.0, 3: -1.5}
+    assert not SamplingParams(logit_bias={}).uses_penalties and SamplingParams(logit_bias={}).logit_bias is None
+    with pytest.raises(ValueError, match="logit_bias"):
+        params.check_token_ids(7)
+    params.check_token_ids(8)

@@ -123,6 +123,7 @@ class InputProcessor:
             raise ValueError(
                 "stop strings need a tokenizer and this model has none; use stop_token_ids"
             )
+        params.check_token_ids(self.vocab_size)
         text, ids = self.tokenize_prompt(prompt)
         params = params.clone()
         params.update_from_generation_config(self.generation_config, self.eos_token_id)

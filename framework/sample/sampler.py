@@ -2,7 +2,11 @@
 
 Order of operations for a batch of logits ``[B, V]``:
 
-1. suppression: forbidden token ids (``min_tokens`` not yet reached) get ``-inf``;
+1. logits processing, vLLM's order: tokens outside ``allowed_token_ids`` and forbidden token
+   ids (``min_tokens`` not yet reached) get ``-inf``; ``logit_bias`` is added; then the
+   repetition penalty divides (positive) or multiplies (negative) the logits of tokens seen
+   in the prompt or output, and ``frequency * count + presence * (count > 0)`` of the output
+   tokens is subtracted;
 2. logprobs, when asked, from ``log_softmax`` of these logits (before temperature etc.);
 3. greedy rows take the argmax; random rows divide by their temperature, apply min-p,
    then top-k, then top-p (renormalising after each), take the softmax and draw with the
@@ -22,6 +26,25 @@ from tokenmill.sampling_params import GREEDY_TEMPERATURE_EPS
 
 
 @dataclass
+class Penalties:
+    """Penalty settings of the rows of one batch; rows without penalties hold the off values.
+
+    Attributes:
+        presence: ``[B]`` float32.
+        frequency: ``[B]`` float32.
+        repetition: ``[B]`` float32.
+        prompt_mask: ``[B, V]`` bool: the token occurs in the row's prompt.
+        output_counts: ``[B, V]`` int32: how often the token occurs in the row's output.
+    """
+
+    presence: torch.Tensor
+    frequency: torch.Tensor
+    repetition: torch.Tensor
+    prompt_mask: torch.Tensor
+    output_counts: torch.Tensor
+
+
+@dataclass
 class SamplingMetadata:
     """Per-row sampling settings of one batch, as tensors on the logits' device.
 
@@ -36,6 +59,10 @@ class SamplingMetadata:
         max_num_logprobs: largest top-N any row asks for; None when no row wants logprobs.
         suppress_token_ids: row -> token ids that row may not sample (EOS and
             ``stop_token_ids`` while ``min_tokens`` is not reached).
+        disallowed_mask: ``[B, V]`` bool, True for tokens outside a row's
+            ``allowed_token_ids``; None when no row restricts them.
+        logit_bias: ``(rows, token ids, biases)`` as three 1-D tensors; None when no row has one.
+        penalties: None when no row uses presence, frequency or repetition penalties.
     """
 
     temperature: torch.Tensor
@@ -47,6 +74,9 @@ class SamplingMetadata:
     generators: dict[int, torch.Generator]
     max_num_logprobs: int | None
     suppress_token_ids: dict[int, list[int]]
+    disallowed_mask: torch.Tensor | None = None
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    penalties: Penalties | None = None
 
 
 @dataclass
@@ -69,7 +99,15 @@ class Sampler(nn.Module):
     """Samples one token per row of ``logits`` (see the module docstring for the order)."""
 
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
-        logits = apply_suppression(logits.to(torch.float32), metadata.suppress_token_ids)
+        logits = logits.to(torch.float32)
+        if metadata.disallowed_mask is not None:
+            logits = logits.masked_fill(metadata.disallowed_mask, float("-inf"))
+        logits = apply_suppression(logits, metadata.suppress_token_ids)
+        if metadata.logit_bias is not None:
+            rows, token_ids, biases = metadata.logit_bias
+            logits = logits.index_put((rows, token_ids), biases, accumulate=True)
+        if metadata.penalties is not None:
+            logits = apply_penalties(logits, metadata.penalties)
         raw_logprobs = logits.log_softmax(dim=-1) if metadata.max_num_logprobs is not None else None
         if metadata.all_greedy:
             # Same first-index tie rule as argmax, and several times faster on the CPU.
@@ -93,6 +131,17 @@ def apply_suppression(logits: torch.Tensor, suppress_token_ids: dict[int, list[i
         return logits
     index = torch.tensor(pairs, dtype=torch.long, device=logits.device).T
     return logits.index_put((index[0], index[1]), torch.tensor(float("-inf"), device=logits.device))
+
+
+def apply_penalties(logits: torch.Tensor, penalties: Penalties) -> torch.Tensor:
+    """Return ``logits`` with the repetition, then the frequency and presence penalties applied
+    (vLLM's and HF's semantics; a new tensor)."""
+    output_mask = penalties.output_counts > 0
+    repetition = penalties.repetition.unsqueeze(1)
+    penalised = torch.where(logits > 0, logits / repetition, logits * repetition)
+    logits = torch.where(penalties.prompt_mask | output_mask, penalised, logits)
+    logits = logits - penalties.frequency.unsqueeze(1) * penalties.output_counts
+    return logits - penalties.presence.unsqueeze(1) * output_mask
 
 
 def compute_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:

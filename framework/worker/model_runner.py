@@ -26,7 +26,7 @@ from tokenmill.interfaces.kv_cache_spec import KVCacheSpec
 from tokenmill.layers.attention import Attention
 from tokenmill.layers.build_context import BuildContext
 from tokenmill.model_loader.loader import load_model
-from tokenmill.sample.sampler import Sampler, SamplerOutput, SamplingMetadata
+from tokenmill.sample.sampler import Penalties, Sampler, SamplerOutput, SamplingMetadata
 from tokenmill.sampling_params import GREEDY_TEMPERATURE_EPS, SamplingParams
 from tokenmill.selector import choose_attention_backend
 from tokenmill.worker.cuda_graph import CudaGraphRunner
@@ -114,7 +114,13 @@ class ModelRunner:
         first_spec = next(iter(specs.values()))
         self.metadata_builder = self.attn_backend.get_metadata_builder_cls()(first_spec, self.device)
         max_blocks = -(-self.config.max_model_len // self.block_size)
-        self.batch = InputBatch(self.config.max_num_seqs, self.config.max_model_len, max_blocks)
+        self.batch = InputBatch(
+            self.config.max_num_seqs,
+            self.config.max_model_len,
+            max_blocks,
+            self.config.hf_config.vocab_size,
+            self.device,
+        )
         self.cuda_graphs = CudaGraphRunner.create(
             self.config, self.model, self.metadata_builder, max_blocks, self.device
         )
@@ -219,8 +225,7 @@ class ModelRunner:
         sample_rows = rows[sampling]
         sampler_out = self.sampler(logits, self._sampling_metadata(req_ids, sampling, sample_rows))
         sampled = sampler_out.sampled_token_ids.cpu().numpy()
-        batch.token_ids[sample_rows, batch.num_tokens[sample_rows]] = sampled
-        batch.num_tokens[sample_rows] += 1
+        batch.append_sampled(sample_rows, sampled)
 
         sampled_ids = {req_ids[i]: [int(t)] for i, t in zip(sampling, sampled)}
         return ModelRunnerOutput(sampled_ids, self._logprobs(req_ids, sampling, sampler_out))
@@ -240,6 +245,9 @@ class ModelRunner:
         generators: dict[int, torch.Generator] = {}
         suppress: dict[int, list[int]] = {}
         max_logprobs: int | None = None
+        bias_rows: list[int] = []
+        bias_ids: list[int] = []
+        bias_values: list[float] = []
         for i, idx in enumerate(sampling):
             state = batch.requests[req_ids[idx]]
             params = state.sampling_params
@@ -250,6 +258,17 @@ class ModelRunner:
             num_output = batch.num_tokens[state.row] - state.num_prompt_tokens
             if num_output < params.min_tokens and state.min_tokens_suppress:
                 suppress[i] = state.min_tokens_suppress
+            if params.logit_bias:
+                bias_rows += [i] * len(params.logit_bias)
+                bias_ids += params.logit_bias.keys()
+                bias_values += params.logit_bias.values()
+        logit_bias = None
+        if bias_rows:
+            logit_bias = (
+                torch.tensor(bias_rows, dtype=torch.int64, device=self.device),
+                torch.tensor(bias_ids, dtype=torch.int64, device=self.device),
+                torch.tensor(bias_values, dtype=torch.float32, device=self.device),
+            )
         return SamplingMetadata(
             temperature=self._tensor(temperature, torch.float32),
             all_greedy=bool(greedy.all()),
@@ -262,6 +281,35 @@ class ModelRunner:
             generators=generators,
             max_num_logprobs=max_logprobs,
             suppress_token_ids=suppress,
+            disallowed_mask=self._gather_disallowed(rows),
+            logit_bias=logit_bias,
+            penalties=self._penalties(rows),
+        )
+
+    def _gather_disallowed(self, rows: np.ndarray) -> torch.Tensor | None:
+        batch = self.batch
+        assert batch is not None
+        uses = batch.uses_allowed[rows]
+        if not uses.any():
+            return None
+        assert batch.disallowed_mask is not None
+        mask = batch.disallowed_mask[self._tensor(rows, torch.int64)]
+        return mask.logical_and_(self._tensor(uses, torch.bool).unsqueeze(1))
+
+    def _penalties(self, rows: np.ndarray) -> Penalties | None:
+        batch = self.batch
+        assert batch is not None
+        if not batch.uses_penalties[rows].any():
+            return None
+        assert batch.output_token_counts is not None and batch.prompt_token_mask is not None
+        # Other rows hold the off values, so stale counts in their rows change nothing.
+        index = self._tensor(rows, torch.int64)
+        return Penalties(
+            presence=self._tensor(batch.presence_penalty[rows], torch.float32),
+            frequency=self._tensor(batch.frequency_penalty[rows], torch.float32),
+            repetition=self._tensor(batch.repetition_penalty[rows], torch.float32),
+            prompt_mask=batch.prompt_token_mask[index],
+            output_counts=batch.output_token_counts[index],
         )
 
     def _logprobs(
