@@ -317,8 +317,15 @@ def test_32_concurrent_requests(server):
         ({"prompt": "hi", "n": 0}, "n"),
         ({"prompt": "hi", "logprobs": 50}, "logprobs"),
         ({"prompt": "hi", "stop": [""]}, "stop"),
-        ({"prompt": "hi", "frequency_penalty": 0.5}, "frequency_penalty"),
-        ({"prompt": "hi", "not_a_field": 1}, "not_a_field"),
+        ({"prompt": "hi", "frequency_penalty": 2.5}, "frequency_penalty"),
+        ({"prompt": "hi", "presence_penalty": -3}, "presence_penalty"),
+        ({"prompt": "hi", "repetition_penalty": 0}, "repetition_penalty"),
+        ({"prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias"),
+        ({"prompt": "hi", "logit_bias": {"60000": 1}}, "logit_bias"),
+        ({"prompt": "hi", "allowed_token_ids": [60000]}, "allowed_token_ids"),
+        ({"prompt": "hi", "bad_words": ["no"]}, "bad_words"),
+        ({"prompt": "hi", "use_beam_search": True}, "use_beam_search"),
+        ({"prompt": "hi", "prompt_logprobs": 1}, "prompt_logprobs"),
         ({"prompt": []}, "prompt"),
         ({"prompt": [10**9]}, "prompt"),
         ({"prompt": [100] * 6000}, "prompt"),
@@ -329,6 +336,65 @@ def test_32_concurrent_requests(server):
 )
 def test_completion_errors(server, body, param):
     assert_openai_error(server.post("/v1/completions", body), 400, param)
+
+
+def test_penalties_and_logit_bias(client, server):
+    plain = client.completions.create(model=MODEL, prompt="The cat", max_tokens=8, temperature=0)
+    biased = client.completions.create(
+        model=MODEL,
+        prompt="The cat",
+        max_tokens=8,
+        temperature=0,
+        logit_bias={"28": 100},
+        presence_penalty=0.5,
+        frequency_penalty=0.5,
+        extra_body={"repetition_penalty": 1.3},
+    )
+    assert plain.choices[0].text != biased.choices[0].text
+    assert biased.usage.completion_tokens == 8
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Say hi"}],
+        max_tokens=4,
+        presence_penalty=1.0,
+        logit_bias={"28": 100},
+        extra_body={"repetition_penalty": 1.1, "top_k": 5, "min_p": 0.1},
+    )
+    assert chat.choices[0].message.content == "," * 4
+
+
+def test_vllm_bench_serve_payloads(server):
+    """The bodies ``vllm bench serve`` sends (openai and openai-chat backends) succeed, and
+    unknown fields are ignored as vLLM ignores them."""
+    completion = {
+        "model": MODEL,
+        "prompt": "Hello there",
+        "repetition_penalty": 1.0,
+        "temperature": 0.0,
+        "max_tokens": 5,
+        "logprobs": None,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "some_future_field": {"x": 1},
+    }
+    response = server.post("/v1/completions", completion)
+    assert response.status_code == 200, response.text
+    assert '"completion_tokens":5' in response.text and response.text.rstrip().endswith("[DONE]")
+    chat = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Hello"}],
+        "temperature": 0.0,
+        "max_completion_tokens": 5,
+        "ignore_eos": True,
+        "repetition_penalty": 1.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "use_beam_search": False,
+    }
+    response = server.post("/v1/chat/completions", chat)
+    assert response.status_code == 200, response.text
+    assert '"completion_tokens":5' in response.text
 
 
 @pytest.mark.parametrize(

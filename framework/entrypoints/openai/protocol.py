@@ -1,17 +1,56 @@
 """Request and response bodies of the OpenAI API, plus vLLM's sampling extensions.
 
-Requests are strict: a field of the wrong type or a field OpenAI does not know is an error,
-as on api.openai.com. Fields OpenAI accepts but this engine cannot honour are accepted only
-at values that change nothing (see ``unsupported``)."""
+Requests are strict about types. A top-level field neither OpenAI nor vLLM knows is ignored
+with a logged warning, as vLLM does. Fields OpenAI or vLLM accept but this engine cannot
+honour are accepted only at values that change nothing (see ``unsupported``)."""
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    model_serializer,
+    model_validator,
+)
+
+logger = logging.getLogger(__name__)
 
 TokenIds = list[int]
+
+VLLM_UNIMPLEMENTED_DEFAULTS: dict[str, Any] = {
+    "use_beam_search": False,
+    "length_penalty": 1.0,
+    "truncate_prompt_tokens": None,
+    "prompt_logprobs": None,
+    "spaces_between_special_tokens": True,
+    "priority": 0,
+    "return_tokens_as_token_ids": None,
+    "return_token_ids": None,
+    "logits_processors": None,
+    "structured_outputs": None,
+    "guided_json": None,
+    "guided_regex": None,
+    "guided_choice": None,
+    "guided_grammar": None,
+    "guided_decoding_backend": None,
+    "guided_whitespace_pattern": None,
+    "kv_transfer_params": None,
+    "vllm_xargs": None,
+    "echo": False,
+    "continue_final_message": False,
+    "chat_template": None,
+    "chat_template_kwargs": None,
+    "documents": None,
+    "mm_processor_kwargs": None,
+}
+"""vLLM request fields this engine does not implement, with the values that change nothing
+(any other value is refused). Endpoint fields of the same name take precedence."""
 
 
 class OpenAIModel(BaseModel):
@@ -89,19 +128,30 @@ class SamplingFields(OpenAIModel):
     stream_options: StreamOptions | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
+    repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     user: str | None = None
     cache_salt: str | None = None
 
+    model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="after")
+    def _warn_ignored(self) -> SamplingFields:
+        ignored = sorted(set(self.model_extra or {}) - set(VLLM_UNIMPLEMENTED_DEFAULTS))
+        if ignored:
+            logger.warning("The following fields were present in the request but ignored: %s", ignored)
+        return self
+
     def unsupported(self) -> dict[str, Any]:
         """Fields set to values this engine cannot honour: {field: value}."""
-        out: dict[str, Any] = {}
-        for name in ("frequency_penalty", "presence_penalty"):
-            if getattr(self, name) not in (None, 0.0):
-                out[name] = getattr(self, name)
-        if self.logit_bias:
-            out["logit_bias"] = self.logit_bias
-        return out
+        extra = self.model_extra or {}
+        return {
+            name: extra[name]
+            for name, default in VLLM_UNIMPLEMENTED_DEFAULTS.items()
+            if name in extra and extra[name] != default
+        }
 
 
 class CompletionRequest(SamplingFields):

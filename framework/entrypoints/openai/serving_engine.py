@@ -27,6 +27,12 @@ SAMPLING_FIELDS = (
     "min_tokens",
     "skip_special_tokens",
     "include_stop_str_in_output",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "allowed_token_ids",
+    "bad_words",
 )
 """Request fields passed to ``SamplingParams`` under the same name, when set."""
 
