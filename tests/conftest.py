@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -184,3 +186,20 @@ def tokenmill_log() -> Iterator[list[tuple[str, int, str]]]:
     yield handler.logged
     logger.setLevel(previous)
     logger.removeHandler(handler)
+
+
+def help_without_torch(env: dict[str, str]) -> subprocess.CompletedProcess:
+    """``tokenmill --help`` in a fresh interpreter with ``env``; fails unless it exits 0 without
+    importing torch."""
+    code = (
+        "import sys\n"
+        "from tokenmill import cli\n"
+        "try:\n"
+        "    cli.main(['--help'])\n"
+        "except SystemExit as e:\n"
+        "    assert e.code == 0, e.code\n"
+        "assert 'torch' not in sys.modules, 'tokenmill --help imported torch'\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr
+    return done

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import ast
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from conftest import help_without_torch
 from tokenmill import envs
 from tokenmill.envs import ENVIRONMENT_VARIABLES
 
@@ -140,18 +139,7 @@ def test_unknown_attribute():
 
 
 def test_help_lists_every_variable_without_importing_torch():
-    code = (
-        "import sys\n"
-        "from tokenmill import cli\n"
-        "try:\n"
-        "    cli.main(['--help'])\n"
-        "except SystemExit as e:\n"
-        "    assert e.code == 0, e.code\n"
-        "assert 'torch' not in sys.modules, 'tokenmill --help imported torch'\n"
-    )
-    env = {"COLUMNS": "100", "PATH": "/usr/bin:/bin"}
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
-    assert done.returncode == 0, done.stderr
+    done = help_without_torch({"COLUMNS": "100", "PATH": "/usr/bin:/bin"})
     epilog = " ".join(done.stdout.partition("\nenvironment variables:\n")[2].split())
     for name, var in ENVIRONMENT_VARIABLES.items():
         assert f"{name} {var.describe()}" in epilog

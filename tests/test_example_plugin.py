@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
-from conftest import assert_greedy_close, hf_greedy, make_tiny_checkpoint
+from conftest import assert_greedy_close, help_without_torch, hf_greedy, make_tiny_checkpoint
 from tokenmill import LLM, SamplingParams, cli, plugins
 from tokenmill.attention_backends.torch_ref import TorchRefBackend
 from tokenmill.interfaces import AttentionConfig, CommonAttentionMetadata, FullAttentionSpec
@@ -138,19 +138,7 @@ def test_cli_lists_parts(installed):
 
 
 def test_plugin_command_in_help_without_torch_and_runs(installed, capsys):
-    code = (
-        "import sys\n"
-        "from tokenmill import cli\n"
-        "try:\n"
-        "    cli.main(['--help'])\n"
-        "except SystemExit as e:\n"
-        "    assert e.code == 0, e.code\n"
-        "assert 'torch' not in sys.modules, 'tokenmill --help imported torch'\n"
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", code], env=_env(installed), capture_output=True, text=True
-    )
-    assert done.returncode == 0, done.stderr
+    done = help_without_torch(_env(installed))
     commands = {line.split()[0]: line for line in done.stdout.splitlines() if line[:4] == " " * 4}
     assert "greet from the example plugin" in commands["example-hello"]
     assert {"generate", "chat", "plugins", "bench", "serve"} <= set(commands)
