@@ -3,8 +3,8 @@ model loader and run on the reference attention backend: logits must match HF's.
 
 from __future__ import annotations
 
+import faulthandler
 import math
-import socket
 import subprocess
 import sys
 
@@ -146,8 +146,9 @@ def test_logits_match_transformers(tmp_path, case: str) -> None:
     assert (stepped - expected).abs().max() < 1e-4
 
 
-def _tp_worker(rank: int, port: int, jobs: list[tuple[str, torch.Tensor, str]]) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+def _tp_worker(rank: int, store: str, done, jobs: list[tuple[str, torch.Tensor, str]]) -> None:
+    faulthandler.enable()  # a native abort prints every thread's Python stack
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     try:
         torch.set_num_threads(1)
         for model_dir, token_ids, out in jobs:
@@ -158,9 +159,11 @@ def _tp_worker(rank: int, port: int, jobs: list[tuple[str, torch.Tensor, str]]) 
             logits = run_engine_forward(model, token_ids, [17, 1, 2])
             if rank == 0:
                 torch.save(logits, out)
-        dist.barrier()  # neither rank tears gloo down while the other still uses it
+        dist.barrier()
     finally:
         dist.destroy_process_group()
+    # Neither rank exits (closing its gloo sockets) while the other may still be tearing down.
+    done.wait(timeout=60)
 
 
 def test_tensor_parallel_2_matches_transformers(tmp_path) -> None:
@@ -174,10 +177,8 @@ def test_tensor_parallel_2_matches_transformers(tmp_path) -> None:
         with torch.inference_mode():
             expected.append(hf_model(token_ids[None]).logits[0].float())
         jobs.append((str(model_dir), token_ids, str(model_dir / "logits.pt")))
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    mp.spawn(_tp_worker, args=(port, jobs), nprocs=2)
+    done = mp.get_context("spawn").Barrier(2)
+    mp.spawn(_tp_worker, args=(str(tmp_path / "store"), done, jobs), nprocs=2)
     for (_, _, out), ref in zip(jobs, expected):
         assert (torch.load(out) - ref).abs().max() < 1e-4
 
