@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -78,6 +80,26 @@ def default_model_dir() -> str:
     from tokenmill.default_model import default_model_path
 
     return default_model_path()
+
+
+EXAMPLE_SRC = Path(__file__).resolve().parents[1] / "plugins_example"
+
+
+@pytest.fixture(scope="session")
+def example_plugin_site(tmp_path_factory) -> Path:
+    """``plugins_example`` pip-installed into a private directory (not on ``sys.path``)."""
+    root = tmp_path_factory.mktemp("example_plugin")
+    src, target = root / "src", root / "site"
+    ignore = shutil.ignore_patterns("build", "*.egg-info", "__pycache__")
+    shutil.copytree(EXAMPLE_SRC, src, ignore=ignore)
+    pip = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+         "--target", str(target), str(src)],
+        capture_output=True,
+        text=True,
+    )
+    assert pip.returncode == 0, pip.stderr
+    return target
 
 
 @pytest.fixture(scope="session")

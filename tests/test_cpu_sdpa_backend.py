@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from paged_batches import MIXED_SHAPES, random_batch, run_backend, run_reference
+from tokenmill.testing.paged import MIXED_SHAPES, random_batch, run_backend, run_reference
 from tokenmill.attention_backends.cpu_sdpa import CpuSdpaBackend
 from tokenmill.ops import cpu as cpu_ops
 

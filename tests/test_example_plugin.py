@@ -28,7 +28,6 @@ from tokenmill.layers.build_context import BuildContext, model_build_context
 from tokenmill.layers.layernorm import RMSNorm
 from tokenmill.selector import select_attention_backend, select_platform
 
-EXAMPLE_SRC = Path(__file__).resolve().parents[1] / "plugins_example"
 DIST = "tokenmill-example-plugin"
 PARTS = {
     "platforms": "example",
@@ -50,19 +49,9 @@ def _forget_example_modules() -> None:
 
 
 @pytest.fixture(scope="module")
-def installed(tmp_path_factory) -> Iterator[Path]:
-    """``pip install`` the example into a private directory put on ``sys.path``; undone after."""
-    root = tmp_path_factory.mktemp("example_plugin")
-    src, target = root / "src", root / "site"
-    ignore = shutil.ignore_patterns("build", "*.egg-info", "__pycache__")
-    shutil.copytree(EXAMPLE_SRC, src, ignore=ignore)
-    pip = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
-         "--target", str(target), str(src)],
-        capture_output=True,
-        text=True,
-    )
-    assert pip.returncode == 0, pip.stderr
+def installed(example_plugin_site) -> Iterator[Path]:
+    """The installed example put on ``sys.path``; undone after."""
+    target = example_plugin_site
     with pytest.MonkeyPatch.context() as mp:
         for var in ENV_VARS:
             mp.delenv(var, raising=False)

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from paged_batches import MIXED_SHAPES, random_batch, run_backend, run_reference, usable_backend
+from paged_batches import usable_backend
+from tokenmill.testing.paged import MIXED_SHAPES, random_batch, run_backend, run_reference
 from tokenmill.attention_backends.flash_attn import FlashAttentionMetadataBuilder
 from tokenmill.attention_backends.flashinfer import FlashInferMetadataBuilder
 from tokenmill.interfaces import FullAttentionSpec

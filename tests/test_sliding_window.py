@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from conftest import hf_greedy, make_tiny_checkpoint
-from paged_batches import random_batch, run_backend
+from tokenmill.testing.paged import random_batch, run_backend
 from tokenmill import LLM, SamplingParams
 from tokenmill.attention_backends.cpu_sdpa import CpuSdpaBackend
 from tokenmill.attention_backends.torch_ref import TorchRefBackend

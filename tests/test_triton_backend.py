@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import make_tiny_checkpoint
-from paged_batches import MIXED_SHAPES, random_batch, run_backend, run_reference
+from tokenmill.testing.paged import MIXED_SHAPES, random_batch, run_backend, run_reference
 from tokenmill import LLM, SamplingParams
 from tokenmill.attention_backends.triton_attn import TritonAttentionBackend
 from tokenmill.interfaces.attention import AttentionConfig

@@ -1,0 +1,153 @@
+"""The conformance kit's pytest plugin (entry point ``pytest11``: active wherever tokenmill is
+installed, inert unless one of its options is given).
+
+``pytest --tokenmill-plugin NAME`` checks every platform, attention backend and model that
+the ``tokenmill.plugins`` entry point ``NAME`` registers; ``--tokenmill-backend``,
+``--tokenmill-platform`` and ``--tokenmill-model`` pick single parts (each may repeat). The
+suites are the ``suite_*`` modules next to this one, one test per contract point; without
+explicit test paths only they run. A summary lists each part's contract points."""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+SUITES = {
+    "attention_backends": ("tokenmill.testing.suite_backend", "tokenmill_backend", "--tokenmill-backend"),
+    "platforms": ("tokenmill.testing.suite_platform", "tokenmill_platform", "--tokenmill-platform"),
+    "models": ("tokenmill.testing.suite_model", "tokenmill_model", "--tokenmill-model"),
+}
+"""kind -> (suite module, the fixture naming the part under test, the option picking one)."""
+
+LABELS = {"attention_backends": "attention backend", "platforms": "platform", "models": "model"}
+
+
+class KitHooks:
+    """Hooks a plugin author implements in a ``conftest.py`` (or a pytest plugin)."""
+
+    @pytest.hookspec(firstresult=True)
+    def tokenmill_tiny_checkpoint(self, arch: str, path: Path) -> Path | None:
+        """Save a tiny random checkpoint of architecture ``arch`` (``config.json`` and
+        safetensors) under ``path`` and return the directory; None leaves it to the kit, which
+        builds one with transformers when transformers knows ``arch``."""
+
+
+@dataclass
+class Outcome:
+    kind: str
+    part: str
+    point: str
+    status: str = "PASS"
+
+
+_OUTCOMES = pytest.StashKey[dict[str, Outcome]]()
+
+
+def pytest_addhooks(pluginmanager) -> None:
+    pluginmanager.add_hookspecs(KitHooks)
+
+
+def pytest_addoption(parser) -> None:
+    group = parser.getgroup("tokenmill", "tokenmill plugin conformance kit")
+    group.addoption(
+        "--tokenmill-plugin",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="check every part the tokenmill.plugins entry point NAME registers",
+    )
+    for kind, (_, _, option) in SUITES.items():
+        group.addoption(
+            option, action="append", default=[], metavar="NAME", help=f"check the {LABELS[kind]} NAME"
+        )
+
+
+def selected_parts(config) -> dict[str, list[str]]:
+    """kind -> names of the parts to check, from the kit's options."""
+    plugin_names = config.getoption("--tokenmill-plugin")
+    parts = {kind: list(config.getoption(option)) for kind, (_, _, option) in SUITES.items()}
+    if plugin_names:
+        from tokenmill import plugins
+
+        installed = plugins.get_plugin_manager().plugin_distributions
+        unknown = sorted(set(plugin_names) - set(installed))
+        if unknown:
+            raise pytest.UsageError(
+                f"--tokenmill-plugin: no installed tokenmill plugin named {', '.join(unknown)}; "
+                f"installed: {', '.join(sorted(installed))}"
+            )
+        for kind in SUITES:
+            for reg in plugins.get_registry(kind).entries.values():
+                if reg.plugin in plugin_names and reg.name not in parts[kind]:
+                    parts[kind].append(reg.name)
+    return {kind: names for kind, names in parts.items() if names}
+
+
+def _active(config) -> bool:
+    return bool(config.getoption("--tokenmill-plugin")) or any(
+        config.getoption(option) for _, _, option in SUITES.values()
+    )
+
+
+def pytest_configure(config) -> None:
+    if _active(config) and config.args_source != pytest.Config.ArgsSource.ARGS:
+        config.args[:] = []  # only the kit runs, not the project's own test paths
+
+
+def pytest_generate_tests(metafunc) -> None:
+    for kind, (_, fixture, _) in SUITES.items():
+        if fixture in metafunc.fixturenames:
+            names = selected_parts(metafunc.config).get(kind, [])
+            metafunc.parametrize(fixture, names, ids=names, scope="module")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(session, config, items) -> None:
+    """Add the suites of the selected kinds of part (before ``-k``/``-m`` deselect)."""
+    if not _active(config):
+        return
+    outcomes = config.stash.setdefault(_OUTCOMES, {})
+    for kind in selected_parts(config):
+        suite = importlib.import_module(SUITES[kind][0])
+        module = pytest.Module.from_parent(session, path=Path(suite.__file__))
+        module.obj = suite
+        for item in module.collect():
+            part = item.callspec.params[SUITES[kind][1]]
+            point = (item.function.__doc__ or item.name).strip().splitlines()[0]
+            variant = item.callspec.id.replace(part, "", 1).strip("-")
+            if variant:
+                point += f" [{variant}]"
+            outcomes[item.nodeid] = Outcome(kind, part, point)
+            items.append(item)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    outcome = item.config.stash.get(_OUTCOMES, {}).get(item.nodeid)
+    if outcome is not None:
+        if report.failed:
+            outcome.status = "FAIL"
+        elif report.skipped and outcome.status == "PASS":
+            outcome.status = "SKIP"
+    return report
+
+
+def pytest_terminal_summary(terminalreporter, config) -> None:
+    outcomes = config.stash.get(_OUTCOMES, {})
+    if not outcomes:
+        return
+    terminalreporter.section("tokenmill conformance")
+    by_part: dict[tuple[str, str], list[Outcome]] = {}
+    for outcome in outcomes.values():
+        by_part.setdefault((outcome.kind, outcome.part), []).append(outcome)
+    for (kind, part), points in by_part.items():
+        passed = sum(o.status == "PASS" for o in points)
+        terminalreporter.write_line(
+            f"{LABELS[kind]} {part!r}: {passed} of {len(points)} contract points passed"
+        )
+        for o in points:
+            terminalreporter.write_line(f"  {o.status}  {o.point}")

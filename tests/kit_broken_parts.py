@@ -1,0 +1,70 @@
+"""Deliberately broken parts the conformance kit must catch (registered at run time by the
+``conftest.py`` that tests/test_conformance_kit.py writes for its pytest run)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from tokenmill.attention_backends.torch_ref import TorchRefBackend, TorchRefImpl
+from tokenmill.interfaces import AttentionConfig
+from tokenmill.models.llama import LlamaForCausalLM
+from tokenmill.platforms.cpu import CpuPlatform
+
+
+class WrongSlotImpl(TorchRefImpl):
+    """Writes each token's K/V one slot past where the slot mapping says."""
+
+    def forward(self, query, key, value, kv_cache, attn_metadata):
+        if attn_metadata is not None:
+            num_slots = kv_cache[0].numel() // (self.num_kv_heads * self.head_size)
+            shifted = (attn_metadata.slot_mapping + 1) % num_slots
+            attn_metadata = dataclasses.replace(attn_metadata, slot_mapping=shifted)
+        return super().forward(query, key, value, kv_cache, attn_metadata)
+
+
+class WrongSlotBackend(TorchRefBackend):
+    @staticmethod
+    def get_impl_cls():
+        return WrongSlotImpl
+
+
+class NoGqaImpl(TorchRefImpl):
+    """Gives query head ``h`` KV head ``h % num_kv_heads`` instead of ``h // group``."""
+
+    def forward(self, query, key, value, kv_cache, attn_metadata):
+        kv, group = self.num_kv_heads, self.num_heads // self.num_kv_heads
+        heads = torch.arange(self.num_heads, device=query.device)
+        order = (heads % kv) * group + heads // kv
+        moved = torch.empty_like(query)
+        moved[:, order] = query
+        return super().forward(moved, key, value, kv_cache, attn_metadata)[:, order]
+
+
+class NoGqaBackend(TorchRefBackend):
+    @staticmethod
+    def get_impl_cls():
+        return NoGqaImpl
+
+
+class UnregisteredCandidatePlatform(CpuPlatform):
+    """Lists a backend nobody registered."""
+
+    name = "unregistered-candidate"
+
+    @classmethod
+    def is_auto_selectable(cls) -> bool:
+        return False
+
+    @classmethod
+    def get_attn_backend_candidates(cls, config: AttentionConfig) -> list[str]:
+        return ["no-such-backend", *super().get_attn_backend_candidates(config)]
+
+
+class RopeOffByOne(LlamaForCausalLM):
+    """Rotates every token after the first as if it sat one position later (a uniform shift
+    would not show: RoPE sees only distances)."""
+
+    def forward(self, input_ids, positions):
+        return super().forward(input_ids, torch.where(positions > 0, positions + 1, positions))

@@ -1,0 +1,113 @@
+"""The plugin conformance kit (``pytest --tokenmill-...``): tokenmill's own CPU parts and the
+example plugin's pass it; deliberately broken parts fail it at the contract point they break."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).resolve().parent
+
+BROKEN_CONFTEST = """
+from tokenmill import plugins
+
+plugins.register_attention_backend("wrong-slot", "kit_broken_parts:WrongSlotBackend")
+plugins.register_attention_backend("no-gqa", "kit_broken_parts:NoGqaBackend")
+plugins.register_platform("unregistered-candidate", "kit_broken_parts:UnregisteredCandidatePlatform")
+plugins.register_model("LlamaForCausalLM", "kit_broken_parts:RopeOffByOne")
+"""
+
+
+def run_kit(cwd: Path, *args: str, pythonpath: list[Path] = ()) -> subprocess.CompletedProcess:
+    """``pytest <kit options>`` in ``cwd`` (outside this project's tests), in a fresh process."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([*map(str, pythonpath), env.get("PYTHONPATH", "")])
+    for var in ("TOKENMILL_PLATFORM", "TOKENMILL_ATTENTION_BACKEND", "TOKENMILL_PLUGINS"):
+        env.pop(var, None)
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rA", *args],
+        cwd=cwd, env=env, capture_output=True, text=True,
+    )
+
+
+def summary(out: str) -> dict[str, str]:
+    """The kit's report: ``"<kind> '<name>'"`` -> its "N of M contract points passed" line."""
+    lines = out.split("tokenmill conformance", 1)[1].splitlines()
+    return {
+        line.split(":")[0]: line.split(": ", 1)[1]
+        for line in lines
+        if " contract points passed" in line
+    }
+
+
+def test_first_party_cpu_parts_pass(tmp_path):
+    result = run_kit(
+        tmp_path,
+        "--tokenmill-backend", "torch", "--tokenmill-backend", "cpu_sdpa",
+        "--tokenmill-platform", "cpu",
+        "--tokenmill-plugin", "models",
+    )
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+    report = summary(result.stdout)
+    assert report == {
+        "attention backend 'torch'": "6 of 6 contract points passed",
+        "attention backend 'cpu_sdpa'": "6 of 6 contract points passed",
+        "platform 'cpu'": "5 of 5 contract points passed",
+        "model 'LlamaForCausalLM'": "5 of 5 contract points passed",
+        "model 'MistralForCausalLM'": "5 of 5 contract points passed",
+        "model 'Qwen2ForCausalLM'": "5 of 5 contract points passed",
+    }, result.stdout[-4000:]
+
+
+def test_example_plugin_passes(tmp_path, example_plugin_site):
+    result = run_kit(tmp_path, "--tokenmill-plugin", "example", pythonpath=[example_plugin_site])
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+    assert summary(result.stdout) == {
+        "attention backend 'example-hnd'": "6 of 6 contract points passed",
+        "platform 'example'": "5 of 5 contract points passed",
+        "model 'GPT2LMHeadModel'": "5 of 5 contract points passed",
+    }, result.stdout[-4000:]
+
+
+def test_unknown_plugin_is_a_usage_error(tmp_path):
+    result = run_kit(tmp_path, "--tokenmill-plugin", "nope")
+    assert result.returncode != 0
+    assert "no installed tokenmill plugin named nope" in result.stderr + result.stdout
+
+
+def test_broken_parts_fail_at_their_contract_point(tmp_path):
+    (tmp_path / "conftest.py").write_text(BROKEN_CONFTEST)
+    result = run_kit(
+        tmp_path,
+        "--tokenmill-backend", "wrong-slot", "--tokenmill-backend", "no-gqa",
+        "--tokenmill-platform", "unregistered-candidate",
+        "--tokenmill-model", "LlamaForCausalLM",
+        pythonpath=[TESTS],
+    )
+    out = result.stdout
+    assert result.returncode == 1, out[-6000:] + result.stderr[-3000:]
+    failed = {line.split(" - ")[0].split("::")[-1] for line in out.splitlines() if line.startswith("FAILED")}
+    assert failed == {
+        "test_writes_kv_where_slot_mapping_says[wrong-slot]",
+        "test_matches_reference_on_mixed_batches[wrong-slot]",
+        "test_sliding_window[wrong-slot]",
+        "test_matches_reference_on_mixed_batches[no-gqa]",
+        "test_sliding_window[no-gqa]",
+        "test_candidates_are_registered_backends[unregistered-candidate]",
+        "test_greedy_equals_cpu_platform[unregistered-candidate]",
+        "test_greedy_matches_transformers[LlamaForCausalLM]",
+    }, out[-6000:]
+    for message in (
+        "the cache differs from the reference after the K/V writes",
+        "attention output differs from the reference backend",
+        "name unregistered backend(s) ['no-such-backend']",
+        "greedy tokens differ from transformers on prompt 0",
+    ):
+        assert message in out, message
+    report = summary(out)
+    assert report["attention backend 'no-gqa'"] == "4 of 6 contract points passed"
+    assert report["model 'LlamaForCausalLM'"] == "4 of 5 contract points passed"
