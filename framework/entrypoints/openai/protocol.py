@@ -325,3 +325,39 @@ class ChatCompletionStreamResponse(BaseModel):
     choices: list[ChatCompletionStreamChoice]
     usage: UsageInfo | None = None
     system_fingerprint: str | None = None
+
+
+class TokenizeCompletionRequest(OpenAIModel):
+    """``POST /tokenize`` with a prompt (vLLM's ``TokenizeCompletionRequest``)."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool | None = False
+
+
+class TokenizeChatRequest(OpenAIModel):
+    """``POST /tokenize`` with chat messages, rendered by the chat template (vLLM's
+    ``TokenizeChatRequest``)."""
+
+    model: str | None = None
+    messages: list[ChatMessage]
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+    return_token_strs: bool | None = False
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(OpenAIModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
