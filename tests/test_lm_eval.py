@@ -19,7 +19,7 @@ TASKS_DIR = Path(__file__).parent / "lm_eval_tasks"
 METRICS = {"tokenmill_mc": "acc,none", "tokenmill_gen": "exact_match,first_word"}
 
 
-def run_lm_eval(model: str, model_args: str, output_path: Path) -> tuple[dict, dict]:
+def run_lm_eval(model: str, model_args: str, output_path: Path, *args: str) -> tuple[dict, dict]:
     """Run the ``lm_eval`` command on both tasks; return its results and its samples by task."""
     cmd = [
         sys.executable, "-m", "lm_eval",
@@ -29,6 +29,7 @@ def run_lm_eval(model: str, model_args: str, output_path: Path) -> tuple[dict, d
         "--tasks", ",".join(METRICS),
         "--output_path", str(output_path),
         "--log_samples",
+        *args,
     ]
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
     done = subprocess.run(cmd, cwd=TASKS_DIR, env=env, capture_output=True, text=True, timeout=1200)
@@ -55,7 +56,7 @@ def test_lm_eval_scores_equal_hf(default_model_dir, tmp_path):
     finally:
         server.stop()
     ref, ref_samples = run_lm_eval(
-        "hf", f"pretrained={default_model_dir},dtype=float32,device=cpu", tmp_path / "hf"
+        "hf", f"pretrained={default_model_dir},dtype=float32", tmp_path / "hf", "--device", "cpu"
     )
     for task, metric in METRICS.items():
         assert ours[task][metric] == pytest.approx(ref[task][metric], abs=0.005), task
