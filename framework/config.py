@@ -16,6 +16,7 @@ from tokenmill.engine_args import (
     EngineArgs,
 )
 from tokenmill.interfaces.platform import Platform
+from tokenmill.logprobs import LOGPROBS_MODES
 
 DTYPES = {
     "float32": torch.float32,
@@ -76,6 +77,10 @@ class EngineConfig(EngineArgs):
         if self.long_prefill_token_threshold < 0:
             raise ValueError("long_prefill_token_threshold must be >= 0")
         check_hash_algo(self.prefix_caching_hash_algo)
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(
+                f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}"
+            )
         self._refuse_missing_features()
 
     def _refuse_missing_features(self) -> None:

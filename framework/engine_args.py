@@ -9,6 +9,7 @@ from typing import Any
 
 from tokenmill.core.kv_cache_utils import PrefixCachingHashAlgo
 from tokenmill.envs import ENVIRONMENT_VARIABLES
+from tokenmill.logprobs import LogprobsMode
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 MAX_DEFAULT_MODEL_LEN = 32768
@@ -92,6 +93,12 @@ class EngineArgs:
         0.01, "fraction of KV blocks kept free when admitting new requests, in [0, 1)"
     )
     enforce_eager: bool = _arg(False, "run without CUDA graphs")
+    logprobs_mode: LogprobsMode = _arg(
+        "raw_logprobs",
+        "what sample logprobs report: raw_logprobs (of the model's logits, before penalties, "
+        "bias and temperature), processed_logprobs (of the logits sampling draws from), "
+        "raw_logits or processed_logits",
+    )
     gpu_memory_utilization: float | None = _arg(
         None,
         f"fraction of GPU memory for the engine; None: {DEFAULT_GPU_MEMORY_UTILIZATION} on GPUs "

@@ -4,18 +4,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tokenmill.logprobs import PromptLogprobs, SampleLogprobs
+
 
 @dataclass
 class CompletionOutput:
-    """One completion of a prompt. ``logprobs`` holds, per generated token, a dict of
-    ``{token_id: logprob}`` for the sampled token and the top-N tokens, when asked."""
+    """One completion of a prompt. When ``SamplingParams.logprobs`` asks for them,
+    ``logprobs`` holds, per generated token, ``{token_id: Logprob}`` for the sampled token
+    (with its rank) and the top-N tokens, and ``cumulative_logprob`` the sum of the sampled
+    tokens' logprobs; otherwise both are None."""
 
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    logprobs: list[dict[int, float]] | None = None
+    logprobs: SampleLogprobs | None = None
+    cumulative_logprob: float | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -35,7 +40,10 @@ class RequestMetrics:
 class RequestOutput:
     """The outputs of one prompt. ``metrics`` times the request as a whole (from its first
     completion scheduled to its last finished); ``completion_metrics`` times each of its
-    ``n`` completions, by index."""
+    ``n`` completions, by index. ``prompt_logprobs``, when ``SamplingParams.prompt_logprobs``
+    asks for them: per prompt position ``{token_id: Logprob}`` for the prompt token and the
+    top-N, None at the first position (in ``DELTA`` outputs, only in the output that
+    brings them)."""
 
     request_id: str
     prompt: str | None
@@ -45,3 +53,4 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
     completion_metrics: list[RequestMetrics] | None = None
+    prompt_logprobs: PromptLogprobs | None = None

@@ -44,7 +44,11 @@ class SamplingParams:
         stop_token_ids: token ids that end generation. Normalised to a list.
         ignore_eos: keep generating after the EOS token.
         logprobs: return the log-probabilities of the sampled token and of the ``logprobs``
-            most likely tokens at each position (0 = only the sampled token's).
+            most likely tokens at each position (0 = only the sampled token's), as ``Logprob``
+            objects; what they are computed from is the engine's ``logprobs_mode``.
+        prompt_logprobs: likewise for each prompt token (raw logprobs of the prompt's forward
+            pass); the first position has none. A request asking for them never reuses
+            prefix-cached blocks, so every prompt position is computed.
         skip_special_tokens: leave special tokens out of the output text.
         include_stop_str_in_output: keep a matched stop string in the output text.
         presence_penalty: subtracted from the logit of every token already in the output,
@@ -73,6 +77,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     presence_penalty: float = 0.0
@@ -105,10 +110,13 @@ class SamplingParams:
             raise ValueError(
                 f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
             )
-        if self.logprobs is not None:
-            self.logprobs = _check_int("logprobs", self.logprobs, minimum=0)
-            if self.logprobs > MAX_LOGPROBS:
-                raise ValueError(f"logprobs must be <= {MAX_LOGPROBS}, got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                value = _check_int(name, value, minimum=0)
+                if value > MAX_LOGPROBS:
+                    raise ValueError(f"{name} must be <= {MAX_LOGPROBS}, got {value}")
+                setattr(self, name, value)
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")

@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tokenmill.logprobs import Logprob
+
 torch.set_num_threads(2)
 
 if not torch.cuda.is_available():
@@ -161,14 +163,14 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[i
     return tokens, scores
 
 
-def assert_greedy_close(ours: list[int], our_logprobs: list[dict[int, float]], ref: list[int], ref_scores) -> None:
+def assert_greedy_close(ours: list[int], our_logprobs: list[dict[int, Logprob]], ref: list[int], ref_scores) -> None:
     """Equal tokens, or at the first divergence each side's token is in the other's top-5
     (vLLM's criterion for comparing against HF)."""
     for k, (a, b) in enumerate(zip(ours, ref)):
         if a == b:
             continue
         ref_top5 = torch.topk(ref_scores[k], 5).indices.tolist()
-        our_top5 = sorted(our_logprobs[k], key=our_logprobs[k].get, reverse=True)[:5]
+        our_top5 = sorted(our_logprobs[k], key=lambda t: our_logprobs[k][t].logprob, reverse=True)[:5]
         assert a in ref_top5, f"position {k}: our token {a} not in HF top-5 {ref_top5}"
         assert b in our_top5, f"position {k}: HF token {b} not in our top-5 {our_top5}"
         return

@@ -96,8 +96,8 @@ def test_priority_preemption_with_prefix_caching_same_outputs(tiny_llama):
     want = _run(LLM(tiny_llama, enable_prefix_caching=False, **common), requests, add_second_after=1)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     for a, b in zip(got, want):
-        assert [v for d in a.logprobs for v in d.values()] == pytest.approx(
-            [v for d in b.logprobs for v in d.values()], abs=1e-4
+        assert [v.logprob for d in a.logprobs for v in d.values()] == pytest.approx(
+            [v.logprob for d in b.logprobs for v in d.values()], abs=1e-4
         )
 
 

@@ -57,7 +57,8 @@ def test_logprobs_are_normalised_log_probabilities(llm):
 
     out = llm.generate("Water boils at", SamplingParams(temperature=0, max_tokens=4, logprobs=3), use_tqdm=False)[0]
     for step, token in zip(out.outputs[0].logprobs, out.outputs[0].token_ids):
+        values = [v.logprob for v in step.values()]
         assert token in step and len(step) == 3
-        assert all(v <= 0 for v in step.values())
-        assert max(step.values()) == step[token]
-        assert sum(math.exp(v) for v in step.values()) <= 1 + 1e-5
+        assert all(v <= 0 for v in values)
+        assert max(values) == step[token].logprob and step[token].rank == 1
+        assert sum(math.exp(v) for v in values) <= 1 + 1e-5

@@ -1,4 +1,5 @@
-"""Penalties, logit bias and allowed_token_ids through the engine, against torch on HF logits."""
+"""Penalties, logit bias and allowed_token_ids through the engine, against torch on HF logits
+(observed through ``logprobs_mode="processed_logprobs"``)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,13 @@ def tiny_path(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tiny(tiny_path):
-    return LLM(model=tiny_path, num_kv_blocks=64, block_size=8, max_model_len=128)
+    return LLM(
+        model=tiny_path,
+        num_kv_blocks=64,
+        block_size=8,
+        max_model_len=128,
+        logprobs_mode="processed_logprobs",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +75,7 @@ def check_against_reference(llm, hf, params: SamplingParams, others: int = 0) ->
     for step, (token, logprobs) in enumerate(zip(out.token_ids, out.logprobs)):
         assert token == int(ref[step].argmax()), f"step {step}"
         for tok, value in logprobs.items():
-            assert value == pytest.approx(float(ref[step, tok]), abs=1e-4), f"step {step} token {tok}"
+            assert value.logprob == pytest.approx(float(ref[step, tok]), abs=1e-4), f"step {step} token {tok}"
     return out.token_ids
 
 

@@ -164,9 +164,47 @@ def test_suppressed_tokens_are_never_sampled():
     rows = [0.0] * 500 + [1.0] * 500
     suppress = {row: [3, 7, 10_000] for row in range(1000)}
     torch.manual_seed(0)
-    out = Sampler()(logits, make_metadata(rows, max_num_logprobs=2, suppress_token_ids=suppress))
+    metadata = make_metadata(rows, max_num_logprobs=2, suppress_token_ids=suppress)
+    out = Sampler("processed_logprobs")(logits, metadata)
     sampled = out.sampled_token_ids
     assert not ((sampled == 3) | (sampled == 7)).any()
     assert len(set(sampled[500:].tolist())) > 4
     assert not torch.isin(out.logprob_token_ids[:, 1:], torch.tensor([3, 7])).any()
+    raw = Sampler()(logits, metadata)
+    assert (raw.logprob_token_ids[:, 1:] == torch.tensor([3, 7])).all()
     assert logits[0, 3] == 10.0, "the caller's logits are not modified"
+
+
+def test_sampled_token_rank_counts_the_tokens_at_least_as_likely():
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0, 1.0], [5.0, 0.0, 0.0, 0.0, 0.0]])
+    metadata = make_metadata([0.0, 0.0], max_num_logprobs=1)
+    metadata.disallowed_mask = torch.tensor([[False, True, False, True, True], [False] * 5])
+    out = Sampler()(logits, metadata)
+    assert out.sampled_token_ids.tolist() == [2, 0]
+    assert out.sampled_token_ranks.tolist() == [4, 1]
+    assert out.logprob_token_ids[:, 1].tolist() == [1, 0]
+
+
+@pytest.mark.parametrize("mode", ["raw_logits", "processed_logits", "processed_logprobs"])
+def test_logprobs_modes(mode):
+    logits = torch.randn(2, 30, generator=torch.Generator().manual_seed(7))
+    metadata = make_metadata([0.0, 0.5], top_k=[30, 4], max_num_logprobs=3)
+    metadata.logit_bias = (torch.tensor([0, 1]), torch.tensor([5, 5]), torch.tensor([9.0, 9.0]))
+    out = Sampler(mode)(logits, metadata)
+    biased = logits.clone()
+    biased[:, 5] += 9.0
+    scaled = biased[1] / 0.5
+    scaled[scaled < scaled.topk(4).values[-1]] = float("-inf")
+    processed = torch.stack([biased[0], scaled])
+    expected = {
+        "raw_logits": logits,
+        "processed_logits": processed,
+        "processed_logprobs": processed.log_softmax(-1),
+    }[mode]
+    torch.testing.assert_close(out.logprobs, expected.gather(1, out.logprob_token_ids))
+    assert out.logprob_token_ids[:, 1].tolist() == expected.argmax(-1).tolist()
+
+
+def test_unknown_logprobs_mode_is_refused():
+    with pytest.raises(ValueError, match="logprobs_mode"):
+        Sampler("logprobs")

@@ -17,6 +17,7 @@ from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.request_queue import make_queue
 from tokenmill.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from tokenmill.logprobs import LogprobsLists
 
 
 @dataclass(frozen=True)
@@ -42,10 +43,12 @@ class EngineCoreOutput:
 
     req_id: str
     new_token_ids: list[int]
-    new_logprobs: list[dict[int, float]] | None = None
+    new_logprobs: LogprobsLists | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    new_prompt_logprobs: LogprobsLists | None = None
+    """All the prompt's logprobs, with the request's first token."""
 
 
 class Scheduler:
@@ -201,7 +204,8 @@ class Scheduler:
         self,
         scheduler_output: SchedulerOutput,
         sampled: dict[str, list[int]],
-        logprobs: dict[str, list[dict[int, float]]] | None = None,
+        logprobs: dict[str, LogprobsLists] | None = None,
+        prompt_logprobs: dict[str, LogprobsLists] | None = None,
     ) -> list[EngineCoreOutput]:
         """Append each request's sampled tokens, check stop conditions, free what finished."""
         outputs = []
@@ -223,10 +227,11 @@ class Scheduler:
                 EngineCoreOutput(
                     req_id,
                     kept,
-                    req_logprobs[: len(kept)] if req_logprobs else None,
+                    req_logprobs.slice(0, len(kept)) if req_logprobs else None,
                     req.get_finished_reason(),
                     req.stop_reason,
                     max(req.num_cached_tokens, 0),
+                    prompt_logprobs.get(req_id) if prompt_logprobs else None,
                 )
             )
             if req.is_finished():

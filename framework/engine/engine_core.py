@@ -158,7 +158,10 @@ class EngineCore:
             self.scheduler.fail_step(scheduler_output)
             raise
         outputs = self.scheduler.update_from_output(
-            scheduler_output, model_output.sampled_token_ids, model_output.logprobs
+            scheduler_output,
+            model_output.sampled_token_ids,
+            model_output.logprobs,
+            model_output.prompt_logprobs,
         )
         return EngineCoreOutputs(outputs, list(scheduler_output.num_scheduled_tokens), start)
 

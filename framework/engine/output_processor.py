@@ -1,5 +1,6 @@
-"""Turns engine-core outputs into ``RequestOutput``s: detokenizes, matches stop strings, fans
-``n > 1`` completions back into their parent request and keeps the per-request metrics."""
+"""Turns engine-core outputs into ``RequestOutput``s: detokenizes, matches stop strings, turns
+logprobs into ``Logprob`` objects, fans ``n > 1`` completions back into their parent request
+and keeps the per-request metrics."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from transformers import PreTrainedTokenizerBase
 from tokenmill.core.scheduler import EngineCoreOutput
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.input_processor import ProcessedRequest
+from tokenmill.logprobs import LogprobsLists, PromptLogprobs, SampleLogprobs, make_logprob_dicts
 from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
 
@@ -41,14 +43,18 @@ class RequestState:
     completion_metrics: list[RequestMetrics]
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     num_cached_tokens: int = 0
+    wants_prompt_logprobs: bool = False
+    prompt_logprobs: PromptLogprobs | None = None
     num_unfinished: int = field(init=False)
     deltas: list[CompletionOutput] = field(default_factory=list)
+    new_prompt_logprobs: PromptLogprobs | None = None
+    """Prompt logprobs not yet reported in ``DELTA`` outputs."""
 
     def __post_init__(self) -> None:
         self.num_unfinished = len(self.completions)
 
     def add_delta(
-        self, index: int, text: str, token_ids: list[int], logprobs: list[dict[int, float]] | None
+        self, index: int, text: str, token_ids: list[int], logprobs: SampleLogprobs | None
     ) -> None:
         completion = self.completions[index]
         self.deltas.append(
@@ -59,8 +65,15 @@ class RequestState:
                 completion.finish_reason,
                 completion.stop_reason,
                 None if completion.logprobs is None else list(logprobs or []),
+                completion.cumulative_logprob,
             )
         )
+
+    def set_prompt_logprobs(self, prompt_logprobs: PromptLogprobs) -> None:
+        """Keep the first child's prompt logprobs (every child computes the same)."""
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = prompt_logprobs
+            self.new_prompt_logprobs = prompt_logprobs
 
     def to_output(self) -> RequestOutput | None:
         """The output for this step in the request's ``output_kind``; None when there is none."""
@@ -68,8 +81,10 @@ class RequestState:
         if self.output_kind is RequestOutputKind.FINAL_ONLY and not finished:
             return None
         outputs = self.completions
+        prompt_logprobs = self.prompt_logprobs
         if self.output_kind is RequestOutputKind.DELTA:
             outputs, self.deltas = self.deltas, []
+            prompt_logprobs, self.new_prompt_logprobs = self.new_prompt_logprobs, None
         return RequestOutput(
             self.request_id,
             self.prompt,
@@ -79,6 +94,7 @@ class RequestState:
             self.num_cached_tokens,
             self.metrics,
             self.completion_metrics,
+            prompt_logprobs,
         )
 
 
@@ -97,6 +113,21 @@ class OutputProcessor:
         self.num_requests_finished = 0
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
+        self._token_texts: dict[int, str] = {}
+
+    def decode_token(self, token_id: int) -> str | None:
+        """The text of one token decoded on its own (``Logprob.decoded_token``); None
+        without a tokenizer."""
+        if self.tokenizer is None:
+            return None
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id])
+            self._token_texts[token_id] = text
+        return text
+
+    def _logprob_dicts(self, lists: LogprobsLists) -> SampleLogprobs:
+        return make_logprob_dicts(lists, self.decode_token)
 
     def add_request(
         self, request: ProcessedRequest, output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
@@ -110,8 +141,15 @@ class OutputProcessor:
             else None
             for _ in child_ids
         ]
+        wants_logprobs = params.logprobs is not None
         completions = [
-            CompletionOutput(i, "", [], logprobs=[] if params.logprobs is not None else None)
+            CompletionOutput(
+                i,
+                "",
+                [],
+                logprobs=[] if wants_logprobs else None,
+                cumulative_logprob=0.0 if wants_logprobs else None,
+            )
             for i in range(len(child_ids))
         ]
         state = RequestState(
@@ -124,6 +162,7 @@ class OutputProcessor:
             RequestMetrics(arrival_time),
             [RequestMetrics(arrival_time) for _ in child_ids],
             output_kind,
+            wants_prompt_logprobs=params.prompt_logprobs is not None,
         )
         self.requests[request.request_id] = state
         for i, child_id in enumerate(child_ids):
@@ -146,8 +185,13 @@ class OutputProcessor:
             state.num_cached_tokens = out.num_cached_tokens
             completion.token_ids.extend(out.new_token_ids)
             self.num_generated_tokens += len(out.new_token_ids)
+            new_logprobs = None
             if completion.logprobs is not None and out.new_logprobs:
-                completion.logprobs.extend(out.new_logprobs)
+                new_logprobs = self._logprob_dicts(out.new_logprobs)
+                completion.logprobs.extend(new_logprobs)
+                completion.cumulative_logprob += sum(row[0] for row in out.new_logprobs.logprobs)
+            if state.wants_prompt_logprobs and out.new_prompt_logprobs is not None:
+                state.set_prompt_logprobs([None, *self._logprob_dicts(out.new_prompt_logprobs)])
             finish_reason, stop_reason = out.finish_reason, out.stop_reason
             detok = state.detokenizers[index]
             if detok is not None:
@@ -162,7 +206,7 @@ class OutputProcessor:
                 self._finish_child(state, out.req_id, completion, finish_reason, stop_reason, now)
             if state.output_kind is RequestOutputKind.DELTA:
                 text = "" if detok is None else detok.get_next_output_text(finished, delta=True)
-                state.add_delta(index, text, out.new_token_ids, out.new_logprobs)
+                state.add_delta(index, text, out.new_token_ids, new_logprobs)
             touched[state.request_id] = state
         return ProcessedOutputs(_outputs(touched.values()), stopped)
 

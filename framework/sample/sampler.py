@@ -7,7 +7,10 @@ Order of operations for a batch of logits ``[B, V]``:
    repetition penalty divides (positive) or multiplies (negative) the logits of tokens seen
    in the prompt or output, and ``frequency * count + presence * (count > 0)`` of the output
    tokens is subtracted;
-2. logprobs, when asked, from ``log_softmax`` of these logits (before temperature etc.);
+2. logprobs, when asked: by default (``logprobs_mode="raw_logprobs"``, vLLM's default) the
+   ``log_softmax`` of the model's logits before step 1; ``"processed_logprobs"`` after step 1
+   and, for random rows, after temperature, min-p, top-k and top-p (masked tokens ``-inf``);
+   the ``*_logits`` modes return the logits themselves instead;
 3. greedy rows take the argmax; random rows divide by their temperature, apply min-p,
    then top-k, then top-p (renormalising after each), take the softmax and draw with the
    exponential race ``argmax(probs / q)``, ``q ~ Exponential(1)``, which samples from
@@ -22,6 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from tokenmill.logprobs import LOGPROBS_MODES, LogprobsMode
 from tokenmill.sampling_params import GREEDY_TEMPERATURE_EPS
 
 
@@ -88,18 +92,29 @@ class SamplerOutput:
         logprob_token_ids: ``[B, 1 + N]`` int64: the sampled token, then the top-N tokens
             by log-probability (descending), ``N = max_num_logprobs``.
         logprobs: ``[B, 1 + N]`` float32 log-probabilities of ``logprob_token_ids``.
+        sampled_token_ranks: ``[B]`` int64 rank of each sampled token (1 = most likely).
     """
 
     sampled_token_ids: torch.Tensor
     logprob_token_ids: torch.Tensor | None = None
     logprobs: torch.Tensor | None = None
+    sampled_token_ranks: torch.Tensor | None = None
 
 
 class Sampler(nn.Module):
     """Samples one token per row of ``logits`` (see the module docstring for the order)."""
 
+    def __init__(self, logprobs_mode: LogprobsMode = "raw_logprobs") -> None:
+        super().__init__()
+        if logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {logprobs_mode!r}")
+        self.logprobs_mode = logprobs_mode
+
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         logits = logits.to(torch.float32)
+        wants_logprobs = metadata.max_num_logprobs is not None
+        raw = self.logprobs_mode.startswith("raw")
+        reported = logits if wants_logprobs and raw else None
         if metadata.disallowed_mask is not None:
             logits = logits.masked_fill(metadata.disallowed_mask, float("-inf"))
         logits = apply_suppression(logits, metadata.suppress_token_ids)
@@ -108,16 +123,22 @@ class Sampler(nn.Module):
             logits = logits.index_put((rows, token_ids), biases, accumulate=True)
         if metadata.penalties is not None:
             logits = apply_penalties(logits, metadata.penalties)
-        raw_logprobs = logits.log_softmax(dim=-1) if metadata.max_num_logprobs is not None else None
         if metadata.all_greedy:
             # Same first-index tie rule as argmax, and several times faster on the CPU.
             sampled = logits.max(dim=-1).indices
+            if wants_logprobs and not raw:
+                reported = logits
         else:
-            sampled = exponential_race(compute_probs(logits, metadata), metadata.generators)
-        if raw_logprobs is None:
+            processed = processed_logits(logits, metadata)
+            if wants_logprobs and not raw:
+                reported = processed
+            sampled = exponential_race(to_probs(processed, logits, metadata), metadata.generators)
+        if reported is None:
             return SamplerOutput(sampled)
-        token_ids, logprobs = gather_logprobs(raw_logprobs, sampled, metadata.max_num_logprobs)
-        return SamplerOutput(sampled, token_ids, logprobs)
+        if self.logprobs_mode.endswith("logprobs"):
+            reported = reported.log_softmax(dim=-1)
+        token_ids, logprobs, ranks = gather_logprobs(reported, sampled, metadata.max_num_logprobs)
+        return SamplerOutput(sampled, token_ids, logprobs, ranks)
 
 
 def apply_suppression(logits: torch.Tensor, suppress_token_ids: dict[int, list[int]]) -> torch.Tensor:
@@ -152,19 +173,29 @@ def compute_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Ten
     speculative-decoding rejection sampler can treat every row alike. ``logits`` are the
     float32 logits after suppression and are not modified.
     """
+    return to_probs(processed_logits(logits, metadata), logits, metadata)
+
+
+def processed_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """``logits / temperature`` (1 for greedy rows) with min-p, then top-k, then top-p applied
+    (masked tokens ``-inf``): what random rows draw from. A new tensor."""
     temperature = metadata.temperature
-    greedy = None
     if not metadata.all_random:
-        greedy = temperature < GREEDY_TEMPERATURE_EPS
-        temperature = torch.where(greedy, 1.0, temperature)
+        temperature = torch.where(temperature < GREEDY_TEMPERATURE_EPS, 1.0, temperature)
     scaled = logits / temperature.unsqueeze(1)
     if metadata.min_p is not None:
         apply_min_p_(scaled, metadata.min_p)
     if metadata.top_k is not None or metadata.top_p is not None:
         scaled = apply_top_k_top_p(scaled, metadata.top_k, metadata.top_p)
-    probs = scaled.softmax(dim=-1)
-    if greedy is not None:
-        greedy = greedy.unsqueeze(1)
+    return scaled
+
+
+def to_probs(processed: torch.Tensor, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """The softmax of ``processed``, with greedy rows one-hot at the argmax of
+    ``logits``."""
+    probs = processed.softmax(dim=-1)
+    if not metadata.all_random:
+        greedy = (metadata.temperature < GREEDY_TEMPERATURE_EPS).unsqueeze(1)
         argmax = logits.argmax(dim=-1, keepdim=True)
         kept = torch.where(greedy, 1.0, probs.gather(1, argmax))
         probs.masked_fill_(greedy, 0.0).scatter_(1, argmax, kept)
@@ -221,11 +252,17 @@ def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]
 
 def gather_logprobs(
     logprobs: torch.Tensor, token_ids: torch.Tensor, num_logprobs: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Return ``([B, 1 + N] ids, [B, 1 + N] logprobs)``: the sampled token's, then the top-N."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Return ``([B, 1 + N] ids, [B, 1 + N] logprobs, [B] ranks)``: each row's ``token_ids``
+    entry, then its top-N; the rank counts the tokens at least as likely as the row's token."""
     token_ids = token_ids.unsqueeze(1)
     token_logprobs = logprobs.gather(1, token_ids)
+    ranks = (logprobs >= token_logprobs).sum(dim=-1)
     if num_logprobs == 0:
-        return token_ids, token_logprobs
+        return token_ids, token_logprobs, ranks
     top_logprobs, top_ids = logprobs.topk(num_logprobs, dim=-1)
-    return torch.cat([token_ids, top_ids], dim=1), torch.cat([token_logprobs, top_logprobs], dim=1)
+    return (
+        torch.cat([token_ids, top_ids], dim=1),
+        torch.cat([token_logprobs, top_logprobs], dim=1),
+        ranks,
+    )

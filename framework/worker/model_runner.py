@@ -8,7 +8,7 @@ of their known tokens are sampled. Rows still in the middle of a chunked prefill
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -25,20 +25,24 @@ from tokenmill.interfaces.attention import (
 from tokenmill.interfaces.kv_cache_spec import KVCacheSpec
 from tokenmill.layers.attention import Attention
 from tokenmill.layers.build_context import BuildContext
+from tokenmill.logprobs import LogprobsLists
 from tokenmill.model_loader.loader import load_model
 from tokenmill.sample.sampler import Penalties, Sampler, SamplerOutput, SamplingMetadata
 from tokenmill.sampling_params import GREEDY_TEMPERATURE_EPS, SamplingParams
 from tokenmill.selector import choose_attention_backend
 from tokenmill.worker.cuda_graph import CudaGraphRunner
 from tokenmill.worker.input_batch import CachedRequestState, InputBatch
+from tokenmill.worker.prompt_logprobs import PromptChunk, PromptLogprobs
 
 
 @dataclass
 class ModelRunnerOutput:
-    """Sampled tokens (and logprobs when asked) of the requests that sampled this step."""
+    """Sampled tokens (and logprobs when asked) of the requests that sampled this step, and
+    the prompt logprobs of the requests whose prompt this step completed."""
 
     sampled_token_ids: dict[str, list[int]]
-    logprobs: dict[str, list[dict[int, float]]]
+    logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+    prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
 
 
 @dataclass
@@ -67,8 +71,9 @@ class ModelRunner:
         self.attn_backend, self.attn_backend_reason = choose_attention_backend(
             config.platform_cls, attn_config, config.attention_backend
         )
-        self.sampler = Sampler()
+        self.sampler = Sampler(config.logprobs_mode)
         self.model: nn.Module | None = None
+        self.prompt_logprobs: PromptLogprobs | None = None
         self.preempted: dict[str, _PreemptedState] = {}
         self.batch: InputBatch | None = None
         self.metadata_builder = None
@@ -91,6 +96,7 @@ class ModelRunner:
             self.config.platform_cls.get_ops(),
         )
         self.model = load_model(self.config.model_path, self.config.hf_config, ctx, self.device)
+        self.prompt_logprobs = PromptLogprobs(self.model.compute_logits)
 
     def attention_layers(self) -> dict[str, Attention]:
         assert self.model is not None
@@ -131,6 +137,7 @@ class ModelRunner:
         for req_id in out.finished_req_ids:
             batch.remove(req_id)
             self.preempted.pop(req_id, None)
+            self.prompt_logprobs.remove(req_id)
         for req_id in out.preempted_req_ids:
             state = batch.requests.get(req_id)
             if state is not None:
@@ -178,7 +185,7 @@ class ModelRunner:
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(out)
         if out.total_num_scheduled_tokens == 0:
-            return ModelRunnerOutput({}, {})
+            return ModelRunnerOutput({})
         batch = self.batch
         assert batch is not None and self.model is not None
         req_ids = list(out.num_scheduled_tokens)
@@ -218,9 +225,10 @@ class ModelRunner:
             with set_forward_context(attn_metadata):
                 hidden = self.model(input_ids_t, positions_t)
 
+        prompt_logprobs = self._prompt_logprobs(req_ids, starts, num_computed, num_sched, hidden)
         sampling = np.nonzero(seq_lens >= batch.num_tokens[rows])[0]
         if len(sampling) == 0:
-            return ModelRunnerOutput({}, {})
+            return ModelRunnerOutput({}, prompt_logprobs=prompt_logprobs)
         logits = self.model.compute_logits(hidden[self._tensor(cu[sampling] - 1, torch.int64)])
         sample_rows = rows[sampling]
         sampler_out = self.sampler(logits, self._sampling_metadata(req_ids, sampling, sample_rows))
@@ -228,7 +236,30 @@ class ModelRunner:
         batch.append_sampled(sample_rows, sampled)
 
         sampled_ids = {req_ids[i]: [int(t)] for i, t in zip(sampling, sampled)}
-        return ModelRunnerOutput(sampled_ids, self._logprobs(req_ids, sampling, sampler_out))
+        return ModelRunnerOutput(
+            sampled_ids, self._logprobs(req_ids, sampling, sampler_out), prompt_logprobs
+        )
+
+    def _prompt_logprobs(
+        self,
+        req_ids: list[str],
+        starts: np.ndarray,
+        num_computed: np.ndarray,
+        num_sched: np.ndarray,
+        hidden: torch.Tensor,
+    ) -> dict[str, LogprobsLists]:
+        batch, prompt_logprobs = self.batch, self.prompt_logprobs
+        chunks = []
+        for i, req_id in enumerate(req_ids):
+            state = batch.requests[req_id]
+            num = state.sampling_params.prompt_logprobs
+            if num is None or not prompt_logprobs.wants(req_id):
+                continue
+            prompt = batch.token_ids[state.row, : state.num_prompt_tokens].tolist()
+            chunks.append(
+                PromptChunk(req_id, num, prompt, int(num_computed[i]), int(num_sched[i]), int(starts[i]))
+            )
+        return prompt_logprobs.process(chunks, hidden) if chunks else {}
 
     def _tensor(self, array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array)).to(device=self.device, dtype=dtype)
@@ -314,18 +345,19 @@ class ModelRunner:
 
     def _logprobs(
         self, req_ids: list[str], sampling: np.ndarray, sampler_out: SamplerOutput
-    ) -> dict[str, list[dict[int, float]]]:
+    ) -> dict[str, LogprobsLists]:
         if sampler_out.logprobs is None:
             return {}
         ids = sampler_out.logprob_token_ids.cpu().tolist()
         values = sampler_out.logprobs.cpu().tolist()
+        ranks = sampler_out.sampled_token_ranks.cpu().tolist()
         result = {}
         for i, idx in enumerate(sampling):
             params = self.batch.requests[req_ids[idx]].sampling_params
             if params.logprobs is None:
                 continue
             n = 1 + params.logprobs
-            result[req_ids[idx]] = [dict(zip(ids[i][:n], values[i][:n]))]
+            result[req_ids[idx]] = LogprobsLists([ids[i][:n]], [values[i][:n]], [ranks[i]])
         return result
 
 

@@ -27,11 +27,17 @@ from tokenmill.entrypoints.openai.metrics import PrometheusMetrics
 from tokenmill.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ModelCard,
     ModelList,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
 )
 from tokenmill.entrypoints.openai.serving_chat import OpenAIServingChat
 from tokenmill.entrypoints.openai.serving_completions import OpenAIServingCompletion
+from tokenmill.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +72,7 @@ def build_app(
     engine.stat_loggers.append(metrics)
     completions = OpenAIServingCompletion(engine, served_model_names)
     chat = OpenAIServingChat(engine, served_model_names)
+    tokenization = OpenAIServingTokenization(engine, served_model_names)
     root = engine.config.model_path
 
     @asynccontextmanager
@@ -127,6 +134,14 @@ def build_app(
     @app.post("/v1/chat/completions")
     async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Response:
         return await _respond(chat.create_chat_completion(body), raw)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeChatRequest | TokenizeCompletionRequest) -> TokenizeResponse:
+        return tokenization.tokenize_request(body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        return tokenization.detokenize_request(body)
 
     return app
 

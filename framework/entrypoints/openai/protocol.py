@@ -19,6 +19,8 @@ from pydantic import (
     model_validator,
 )
 
+from tokenmill.logprobs import PromptLogprobs
+
 logger = logging.getLogger(__name__)
 
 TokenIds = list[int]
@@ -27,7 +29,6 @@ VLLM_UNIMPLEMENTED_DEFAULTS: dict[str, Any] = {
     "use_beam_search": False,
     "length_penalty": 1.0,
     "truncate_prompt_tokens": None,
-    "prompt_logprobs": None,
     "spaces_between_special_tokens": True,
     "priority": 0,
     "return_tokens_as_token_ids": None,
@@ -132,6 +133,7 @@ class SamplingFields(OpenAIModel):
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    prompt_logprobs: int | None = None
     user: str | None = None
     cache_salt: str | None = None
 
@@ -231,6 +233,8 @@ class CompletionResponseChoice(BaseModel):
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+    """vLLM's extension: the prompt's ``Logprob``s by token id, when ``prompt_logprobs`` asks."""
 
 
 class CompletionResponse(BaseModel):
@@ -290,6 +294,8 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
     system_fingerprint: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+    """vLLM's extension: the prompt's ``Logprob``s by token id, when ``prompt_logprobs`` asks."""
 
 
 class DeltaMessage(BaseModel):
@@ -319,3 +325,39 @@ class ChatCompletionStreamResponse(BaseModel):
     choices: list[ChatCompletionStreamChoice]
     usage: UsageInfo | None = None
     system_fingerprint: str | None = None
+
+
+class TokenizeCompletionRequest(OpenAIModel):
+    """``POST /tokenize`` with a prompt (vLLM's ``TokenizeCompletionRequest``)."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool | None = False
+
+
+class TokenizeChatRequest(OpenAIModel):
+    """``POST /tokenize`` with chat messages, rendered by the chat template (vLLM's
+    ``TokenizeChatRequest``)."""
+
+    model: str | None = None
+    messages: list[ChatMessage]
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+    return_token_strs: bool | None = False
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(OpenAIModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str

@@ -60,6 +60,7 @@ class OpenAIServingChat(OpenAIServing):
                 for c in output.outputs
             ],
             usage=UsageInfo.of(len(ids), num_generated, output.num_cached_tokens),
+            prompt_logprobs=output.prompt_logprobs,
         )
 
     def _apply_chat_template(self, request: ChatCompletionRequest) -> list[int]:
@@ -150,11 +151,12 @@ class OpenAIServingChat(OpenAIServing):
         num = request.top_logprobs or 0
         content = []
         for token_id, step in zip(c.token_ids, c.logprobs):
-            top = sorted(step.items(), key=lambda kv: kv[1], reverse=True)[:num]
+            top = sorted(step.items(), key=lambda kv: kv[1].logprob, reverse=True)[:num]
+            sampled = step[token_id].logprob if token_id in step else float("-inf")
             content.append(
                 ChatCompletionTokenLogprob(
-                    **self._top(token_id, step.get(token_id, float("-inf"))).model_dump(),
-                    top_logprobs=[self._top(t, lp) for t, lp in top],
+                    **self._top(token_id, sampled).model_dump(),
+                    top_logprobs=[self._top(t, lp.logprob) for t, lp in top],
                 )
             )
         return ChatCompletionLogProbs(content=content)

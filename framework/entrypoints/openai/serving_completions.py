@@ -17,6 +17,7 @@ from tokenmill.entrypoints.openai.protocol import (
     UsageInfo,
 )
 from tokenmill.entrypoints.openai.serving_engine import OpenAIServing, merge_streams
+from tokenmill.logprobs import Logprob, PromptLogprobs
 from tokenmill.outputs import CompletionOutput
 
 Prompt = tuple[str | None, list[int]]
@@ -28,14 +29,12 @@ class OpenAIServingCompletion(OpenAIServing):
     ) -> CompletionResponse | AsyncIterator[str]:
         """The response, or for ``stream`` the server-sent events; raises ``OpenAIError``."""
         self.check_request(request)
-        if request.echo and request.logprobs is not None:
-            raise OpenAIError(
-                "echo with logprobs is not supported (no prompt logprobs)", param="echo"
-            )
         prompts = [self.tokenize(p, "prompt") for p in _split_prompts(request.prompt)]
         for _, ids in prompts:
             self.check_context(len(ids), request.max_tokens)
         params = self.sampling_params(request, request.max_tokens, request.logprobs)
+        if request.echo and request.logprobs is not None:
+            params.prompt_logprobs = max(params.prompt_logprobs or 0, request.logprobs)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         streams = await self.start(
             prompts, params, request_id, bool(request.stream), request.cache_salt
@@ -48,7 +47,11 @@ class OpenAIServingCompletion(OpenAIServing):
         for i, output in enumerate(outputs):
             for c in output.outputs:
                 num_generated += len(c.token_ids)
-                choices.append(self._choice(request, i, c, prompts[i], 0, request.echo))
+                echo = output.prompt_logprobs if request.echo else None
+                choice = self._choice(request, i, c, prompts[i], 0, request.echo, echo)
+                if request.prompt_logprobs is not None:
+                    choice.prompt_logprobs = output.prompt_logprobs
+                choices.append(choice)
         num_prompt = sum(len(ids) for _, ids in prompts)
         num_cached = sum(output.num_cached_tokens for output in outputs)
         return CompletionResponse(
@@ -76,17 +79,27 @@ class OpenAIServingCompletion(OpenAIServing):
         offsets = {}
         num_generated = 0
         num_cached: dict[int, int] = {}
+        prompt_logprobs: dict[int, PromptLogprobs] = {}
         try:
             async for i, output in merge_streams(streams):
                 num_cached[i] = output.num_cached_tokens
+                if output.prompt_logprobs is not None:
+                    prompt_logprobs[i] = output.prompt_logprobs
                 for c in output.outputs:
                     num_generated += len(c.token_ids)
                     index = i * request.n + c.index
                     first = index not in offsets
                     if not (c.text or c.finish_reason or first and request.echo or c.logprobs):
                         continue
+                    echo = first and request.echo
                     choice = self._choice(
-                        request, i, c, prompts[i], offsets.get(index, 0), first and request.echo
+                        request,
+                        i,
+                        c,
+                        prompts[i],
+                        offsets.get(index, 0),
+                        echo,
+                        prompt_logprobs.get(i) if echo else None,
                     )
                     offsets[index] = offsets.get(index, 0) + len(choice.text)
                     yield chunk([choice])
@@ -107,13 +120,21 @@ class OpenAIServingCompletion(OpenAIServing):
         prompt: Prompt,
         offset: int,
         echo: bool,
+        prompt_logprobs: PromptLogprobs | None = None,
     ) -> CompletionResponseChoice:
+        """One choice; with ``echo`` its text starts with the prompt, and its logprobs with
+        the prompt tokens' (``prompt_logprobs``; the first token's are null)."""
         text = c.text
         if echo:
             text = self.prompt_text(prompt) + text
         logprobs = None
         if request.logprobs is not None and c.logprobs is not None:
-            logprobs = self._logprobs(c, offset + len(text) - len(c.text), request.logprobs)
+            logprobs = CompletionLogProbs()
+            if echo:
+                steps = prompt_logprobs or [None] * len(prompt[1])
+                self._add_logprobs(logprobs, prompt[1], steps, offset, request.logprobs)
+            output_offset = offset + len(text) - len(c.text)
+            self._add_logprobs(logprobs, c.token_ids, c.logprobs, output_offset, request.logprobs)
         return CompletionResponseChoice(
             index=prompt_index * request.n + c.index,
             text=text,
@@ -129,19 +150,30 @@ class OpenAIServingCompletion(OpenAIServing):
         tokenizer = self.engine.tokenizer
         return tokenizer.decode(ids) if tokenizer is not None else ""
 
-    def _logprobs(self, c: CompletionOutput, offset: int, num: int) -> CompletionLogProbs:
-        out = CompletionLogProbs()
-        for token_id, step in zip(c.token_ids, c.logprobs or []):
+    def _add_logprobs(
+        self,
+        out: CompletionLogProbs,
+        token_ids: list[int],
+        steps: list[dict[int, Logprob] | None],
+        offset: int,
+        num: int,
+    ) -> None:
+        """Append OpenAI's logprobs of ``token_ids``: each token, its logprob and the ``num``
+        most likely tokens (plus the token itself); null where its step is None."""
+        for token_id, step in zip(token_ids, steps):
             token = self.token_text(token_id)
             out.tokens.append(token)
-            out.token_logprobs.append(step.get(token_id))
             out.text_offset.append(offset)
             offset += len(token)
-            top = sorted(step.items(), key=lambda kv: kv[1], reverse=True)[:num]
+            if step is None:
+                out.token_logprobs.append(None)
+                out.top_logprobs.append(None)
+                continue
+            out.token_logprobs.append(step[token_id].logprob if token_id in step else None)
+            top = sorted(step.items(), key=lambda kv: kv[1].logprob, reverse=True)[:num]
             if token_id not in dict(top) and token_id in step:
                 top.append((token_id, step[token_id]))
-            out.top_logprobs.append({self.token_text(t): lp for t, lp in top})
-        return out
+            out.top_logprobs.append({self.token_text(t): lp.logprob for t, lp in top})
 
 
 def _split_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:

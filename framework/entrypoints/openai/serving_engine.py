@@ -33,6 +33,7 @@ SAMPLING_FIELDS = (
     "logit_bias",
     "allowed_token_ids",
     "bad_words",
+    "prompt_logprobs",
 )
 """Request fields passed to ``SamplingParams`` under the same name, when set."""
 
@@ -59,6 +60,10 @@ class OpenAIServing:
         if request.stream_options is not None and not request.stream:
             raise OpenAIError(
                 "stream_options is only allowed when stream is true", param="stream_options"
+            )
+        if request.stream and request.prompt_logprobs is not None:
+            raise OpenAIError(
+                "prompt_logprobs are not available when stream is true", param="prompt_logprobs"
             )
 
     def sampling_params(
