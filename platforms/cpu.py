@@ -74,6 +74,7 @@ class CpuPlatform(Platform):
         "rms_norm": rms_norm,
         "silu_and_mul": silu_and_mul,
         "rotary_embedding": rotary_embedding,
+        "unquantized_linear": "tokenmill.platforms.cpu_linear:OneDNNLinearMethod",
     }
 
     @classmethod
