@@ -22,6 +22,9 @@ from datetime import date
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+# The environment before tokenmill is imported here (it sets OpenMP defaults for its own
+# process), so each engine runs with its own defaults.
+BASE_ENV = dict(os.environ)
 ISA_ENV = {
     "avx2": {
         "ATEN_CPU_CAPABILITY": "avx2",
@@ -37,7 +40,7 @@ ISA_ENV = {
 def run(python: str, engine: str, workload: str, model: str, extra: list[str], isa: str) -> dict:
     cmd = [python, str(HERE / "run_engine.py"), "--engine", engine, "--workload", workload,
            "--model", model, *extra]
-    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", **ISA_ENV[isa])
+    env = dict(BASE_ENV, TOKENIZERS_PARALLELISM="false", **ISA_ENV[isa])
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"{engine}/{workload} failed:\n{proc.stderr[-3000:]}")
