@@ -2,9 +2,11 @@
 
 from typing import TYPE_CHECKING, Any
 
+from tokenmill import env_override
 from tokenmill.logger import configure_logging
 from tokenmill.plugins import hookimpl
 
+env_override.apply()
 configure_logging()
 
 __version__ = "0.1.0"

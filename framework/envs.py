@@ -99,6 +99,13 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
     "TOKENMILL_CPU_THREADS": EnvVar(
         "int", None, "torch threads of an engine on a CPU platform; unset: torch's default"
     ),
+    "TOKENMILL_CPU_ISA": EnvVar(
+        "str",
+        "native",
+        "instruction set the C kernels are built for: native (this CPU's, -march=native), avx2 "
+        "(AVX2 + FMA, as on an AVX2-only CPU) or avx512 (adds AVX-512 F/VL/DQ/BW); avx2 also "
+        "keeps the CPU platform's default dtype at float32 as on a CPU without native bf16",
+    ),
     "TOKENMILL_DISABLE_CPU_KERNELS": EnvVar(
         "bool", False, "use torch ops instead of the C kernels compiled on first use"
     ),

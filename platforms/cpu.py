@@ -22,12 +22,10 @@ if TYPE_CHECKING:
 
 
 def _cpu_has_fast_bf16() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
+    """AVX512-BF16 or AMX-BF16 present, and ``TOKENMILL_CPU_ISA`` not restricted to avx2."""
+    if envs.TOKENMILL_CPU_ISA.strip().lower() == "avx2":
         return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    return not cpu_ops.cpu_flags().isdisjoint({"avx512_bf16", "amx_bf16"})
 
 
 def rms_norm(
@@ -76,6 +74,7 @@ class CpuPlatform(Platform):
         "rms_norm": rms_norm,
         "silu_and_mul": silu_and_mul,
         "rotary_embedding": rotary_embedding,
+        "unquantized_linear": "tokenmill.platforms.cpu_linear:OneDNNLinearMethod",
     }
 
     @classmethod

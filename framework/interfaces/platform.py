@@ -14,8 +14,10 @@ if TYPE_CHECKING:
     from tokenmill.config import EngineConfig
 
 
-OP_NAMES = ("rms_norm", "silu_and_mul", "rotary_embedding")
-"""The ops a platform may replace, one per ``CustomOp`` layer (``tokenmill.layers``)."""
+OP_NAMES = ("rms_norm", "silu_and_mul", "rotary_embedding", "unquantized_linear")
+"""The ops a platform may replace: one per ``CustomOp`` layer (``tokenmill.layers``), and
+``unquantized_linear``, the :class:`~tokenmill.interfaces.quantization.LinearMethod` class
+(made with no arguments) of the linear layers and LM head that no quantization method takes."""
 
 
 class Platform:

@@ -23,7 +23,7 @@ from tokenmill.distributed.parallel_state import (
     tensor_model_parallel_all_reduce,
 )
 from tokenmill.interfaces.quantization import LinearMethod
-from tokenmill.layers.build_context import current_build_context
+from tokenmill.layers.build_context import current_build_context, current_ops
 
 
 def set_weight_attrs(param: torch.Tensor, attrs: dict[str, Any]) -> None:
@@ -63,6 +63,12 @@ def _rank_slice(
 class UnquantizedLinearMethod(LinearMethod):
     """Plain ``x @ W.T + b`` in the model dtype."""
 
+    @staticmethod
+    def for_platform() -> LinearMethod:
+        """The platform's ``unquantized_linear`` method (its op table's entry) if it has one,
+        else this one."""
+        return current_ops().get("unquantized_linear", UnquantizedLinearMethod)()
+
     def create_weights(
         self,
         layer: nn.Module,
@@ -100,7 +106,7 @@ class LinearBase(nn.Module):
         method = None
         if ctx.quant_method is not None:
             method = ctx.quant_method.get_linear_method(self, prefix)
-        self.linear_method: LinearMethod = method or UnquantizedLinearMethod()
+        self.linear_method: LinearMethod = method or UnquantizedLinearMethod.for_platform()
 
     def _create_weights(
         self,

@@ -13,6 +13,7 @@ from tokenmill.distributed.parallel_state import (
     tensor_model_parallel_all_reduce,
 )
 from tokenmill.layers.build_context import current_build_context
+from tokenmill.layers.linear import UnquantizedLinearMethod
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -80,13 +81,15 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     ``compute_logits`` multiplies by this rank's rows, all-gathers the vocabulary shards and
     returns float32 logits over the real (unpadded) vocabulary. ``tie_weights`` shares the
-    embedding's weight instead of holding its own.
+    embedding's weight instead of holding its own. The product is the platform's unquantized
+    linear method (``linear_method``, whose weights the model loader processes once loaded).
     """
 
     def __init__(
         self, num_embeddings: int, embedding_dim: int, bias: bool = False, prefix: str = ""
     ) -> None:
         super().__init__(num_embeddings, embedding_dim, prefix)
+        self.linear_method = UnquantizedLinearMethod.for_platform()
         if bias:
             self.bias = nn.Parameter(
                 torch.zeros(self.num_embeddings_per_partition, dtype=self.weight.dtype),
@@ -109,7 +112,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.weight = embed_tokens.weight
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden_states, self.weight, self.bias)
+        logits = self.linear_method.apply(self, hidden_states, self.bias)
         logits = tensor_model_parallel_all_gather(logits, dim=-1)
         return logits[..., : self.num_embeddings].float()
 

@@ -1,6 +1,8 @@
 """CPU kernels: C sources in ``csrc/`` compiled on first use with the system C compiler
-(``-O3 -march=native -fopenmp``) into one shared library, cached under the tokenmill cache
-directory by a hash of the sources, flags, compiler and CPU, and loaded with ctypes.
+(``-O3 -fopenmp`` and the instruction set of ``TOKENMILL_CPU_ISA``: ``-march=native`` by default,
+``-mavx2 -mfma`` for ``avx2``) into one shared library, cached under the tokenmill cache directory
+by a hash of the sources, flags, compiler and CPU, and loaded with ctypes. On x86-64 the kernels
+need AVX2 and FMA (``csrc/vec.h``); where the build fails they are off.
 
 They run on contiguous float32 CPU tensors; callers (the CPU platform's op table, the
 ``cpu_sdpa`` backend) check :func:`supports` and otherwise use their torch path. The OpenMP
@@ -29,7 +31,16 @@ from tokenmill import envs
 logger = logging.getLogger(__name__)
 
 SOURCES = ("attention.c", "norm.c", "activation.c", "rotary.c")
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
+FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
+# TOKENMILL_CPU_ISA: the compiler's instruction-set flags and the /proc/cpuinfo flags they need.
+ISA_FLAGS: dict[str, tuple[list[str], tuple[str, ...]]] = {
+    "native": (["-march=native"], ()),
+    "avx2": (["-mavx2", "-mfma"], ("avx2", "fma")),
+    "avx512": (
+        ["-mavx2", "-mfma", "-mavx512f", "-mavx512vl", "-mavx512dq", "-mavx512bw"],
+        ("avx2", "fma", "avx512f", "avx512vl", "avx512dq", "avx512bw"),
+    ),
+}
 _I64, _F32, _PTR, _INT = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int
 SIGNATURES = {
     "paged_decode_attention": [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _F32, _I64, _I64, _INT],
@@ -50,7 +61,31 @@ def _cpu_signature() -> str:
         return platform.processor()
 
 
-def _build(compiler: str, target: Path) -> bool:
+def cpu_flags() -> set[str]:
+    """The feature flags of this CPU in /proc/cpuinfo (empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return set()
+
+
+def isa_flags() -> list[str]:
+    """The compiler flags of ``TOKENMILL_CPU_ISA``; ValueError for an unknown value or one
+    whose instructions this CPU lacks."""
+    isa = envs.TOKENMILL_CPU_ISA.strip().lower()
+    if isa not in ISA_FLAGS:
+        raise ValueError(f"TOKENMILL_CPU_ISA={isa!r} is not one of {', '.join(ISA_FLAGS)}")
+    flags, needs = ISA_FLAGS[isa]
+    if missing := [f for f in needs if f not in cpu_flags()]:
+        raise ValueError(f"TOKENMILL_CPU_ISA={isa}: this CPU lacks {', '.join(missing)}")
+    return flags
+
+
+def _build(compiler: str, flags: list[str], target: Path) -> bool:
     csrc = Path(__file__).parent / "csrc"
     target.parent.mkdir(parents=True, exist_ok=True)
     logger.info(
@@ -60,7 +95,7 @@ def _build(compiler: str, target: Path) -> bool:
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / "kernels.so"
         proc = subprocess.run(
-            [compiler, *FLAGS, *(str(csrc / s) for s in SOURCES), "-o", str(built), "-lm"],
+            [compiler, *flags, *(str(csrc / s) for s in SOURCES), "-o", str(built), "-lm"],
             capture_output=True,
             text=True,
             check=False,
@@ -78,6 +113,7 @@ def load() -> ctypes.CDLL | None:
     """The kernel library, built if needed; None (logged once) when it cannot be built here."""
     if envs.TOKENMILL_DISABLE_CPU_KERNELS:
         return None
+    flags = [*FLAGS, *isa_flags()]
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         logger.warning("no C compiler found; CPU kernels fall back to torch ops")
@@ -88,10 +124,10 @@ def load() -> ctypes.CDLL | None:
     digest = hashlib.sha256()
     for path in sorted(csrc.iterdir()):
         digest.update(path.read_bytes())
-    digest.update(" ".join([*FLAGS, compiler, _cpu_signature()]).encode())
+    digest.update(" ".join([*flags, compiler, _cpu_signature()]).encode())
     target = Path(cache_dir()) / "kernels" / f"cpu_kernels_{digest.hexdigest()[:16]}.so"
     try:
-        if not target.exists() and not _build(compiler, target):
+        if not target.exists() and not _build(compiler, flags, target):
             return None
         lib = ctypes.CDLL(str(target))
     except OSError as e:

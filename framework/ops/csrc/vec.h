@@ -1,7 +1,12 @@
-/* Eight-float vectors in GCC/Clang vector extensions: AVX2 (or wider) with -march=native on
-   x86, NEON pairs on Arm, plain loops elsewhere. Loads and stores go through memcpy, so nothing
-   needs to be aligned. */
+/* Eight-float vectors in GCC/Clang vector extensions: on x86-64 one AVX2 register with FMA
+   contraction (the baseline: the build stops without AVX2 and FMA, and the kernels fall back to
+   torch ops), with AVX-512 (-march=native on such a CPU, or TOKENMILL_CPU_ISA=avx512) the EVEX
+   encodings and 32 registers; NEON pairs on Arm, plain loops elsewhere. Loads and stores go
+   through memcpy, so nothing needs to be aligned. */
 #pragma once
+#if defined(__x86_64__) && !(defined(__AVX2__) && defined(__FMA__))
+#error "the CPU kernels need AVX2 and FMA on x86-64"
+#endif
 #include <stdint.h>
 #include <string.h>
 
