@@ -45,22 +45,16 @@ def _generate_and_check(llm: LLM, prompts, refs) -> None:
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
 
 
-def test_greedy_matches_hf_with_prefix_caching_rerun(checkpoint):
-    _, path, _, prompts, refs = checkpoint
-    llm = LLM(model=path, num_kv_blocks=128, block_size=BLOCK_SIZE, max_model_len=256)
-    assert llm.get_stats()["kv_blocks_total"] > 0
-    _generate_and_check(llm, prompts, refs)
-    _generate_and_check(llm, prompts, refs)
-    assert llm.get_stats()["prefix_cache_hit_tokens"] > 0
-
-
-def test_greedy_matches_hf_chunked_prefill(checkpoint):
+def test_greedy_matches_hf_chunked_prefill_and_prefix_cache_rerun(checkpoint):
     _, path, _, prompts, refs = checkpoint
     llm = LLM(
         model=path, num_kv_blocks=128, block_size=BLOCK_SIZE, max_model_len=256,
         max_num_batched_tokens=16,
     )
     _generate_and_check(llm, prompts, refs)
+    assert llm.get_stats()["prefix_cache_hit_tokens"] == 0
+    _generate_and_check(llm, prompts, refs)
+    assert llm.get_stats()["prefix_cache_hit_tokens"] > 0
 
 
 def test_greedy_matches_hf_under_preemption(checkpoint):
