@@ -78,7 +78,9 @@ def fused_experts_sorted(
     topk_ids: torch.Tensor,
 ) -> torch.Tensor:
     """SwiGLU experts over (token, expert) pairs sorted by expert: one gather, one GEMM pair
-    per expert that has tokens, one weighted scatter-add back. [T, H] in, [T, H] out."""
+    per expert that has tokens, then the weighted rows scattered back to pair order and
+    summed over each token's ``top_k`` (several times faster on the CPU than ``index_add_``).
+    [T, H] in, [T, H] out."""
     num_tokens, top_k = topk_ids.shape
     flat_ids = topk_ids.flatten()
     order = flat_ids.argsort(stable=True)
@@ -97,8 +99,9 @@ def fused_experts_sorted(
         torch.mm(act, w2[expert].t(), out=out[start:end])
         start = end
     out.mul_(topk_weights.flatten()[order].to(out.dtype).unsqueeze(1))
-    result = torch.zeros_like(hidden_states)
-    return result.index_add_(0, token_idx, out)
+    unsorted = torch.empty_like(out)
+    unsorted[order] = out
+    return unsorted.view(num_tokens, top_k, -1).sum(dim=1)
 
 
 class FusedMoE(nn.Module):
