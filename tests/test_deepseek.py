@@ -181,3 +181,14 @@ def test_non_mla_backend_refused_for_deepseek(tmp_path):
     path, _ = save_deepseek(tmp_path, "v2")
     with pytest.raises(ValueError, match="MLA models need an MLA backend"):
         LLM(model=path, attention_backend="torch", num_kv_blocks=16, max_model_len=64)
+
+
+def test_plugins_command_lists_deepseek_models_and_mla_backends(capsys):
+    from tokenmill import cli
+
+    assert cli.main(["plugins"]) == 0
+    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line.startswith("  ")}
+    for name in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepSeekMTPModel"):
+        assert "from tokenmill" in lines[name]
+    assert "unavailable" not in lines["torch_mla"], "an MLA backend is checked against an MLA model"
+    assert "triton_mla" in lines
