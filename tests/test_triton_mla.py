@@ -46,7 +46,7 @@ def test_decode_kernel_matches_reference(heads, rank, rope):
 
 
 def test_engine_greedy_tokens_match_torch_mla(tmp_path):
-    path, _ = save_deepseek(tmp_path, "v3", num_hidden_layers=2)
+    path, _ = save_deepseek(tmp_path, "v3")
     prompts = [{"prompt_token_ids": list(range(3 + 7 * i, 12 + 13 * i))} for i in range(3)]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     tokens = {}
