@@ -93,7 +93,11 @@ class TorchMLAImpl(AttentionImpl):
         k_pe = latents[:, None, self.kv_lora_rank :].expand(-1, self.num_heads, -1)
         k = torch.cat((k_nope, k_pe), dim=-1)
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=self.scale
+            q.transpose(0, 1),
+            k.transpose(0, 1),
+            v.transpose(0, 1),
+            attn_mask=mask,
+            scale=self.scale,
         )
         return out.transpose(0, 1)
 

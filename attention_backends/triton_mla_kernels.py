@@ -61,11 +61,15 @@ def _mla_decode_kernel(
     for start_n in range(0, seq_len, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_valid = offs_n < seq_len
-        slot = tl.load(slots_ptr + req * stride_slots_b + offs_n, mask=n_valid, other=0).to(tl.int64)
-        row = cache_ptr + slot * stride_c_row
-        kv = tl.load(row[:, None] + offs_l[None, :], mask=n_valid[:, None] & l_valid[None, :], other=0.0)
+        slot = tl.load(slots_ptr + req * stride_slots_b + offs_n, mask=n_valid, other=0)
+        row = cache_ptr + slot.to(tl.int64) * stride_c_row
+        kv = tl.load(
+            row[:, None] + offs_l[None, :], mask=n_valid[:, None] & l_valid[None, :], other=0.0
+        )
         k_pe = tl.load(
-            row[:, None] + KV_LORA + offs_r[None, :], mask=n_valid[:, None] & r_valid[None, :], other=0.0
+            row[:, None] + KV_LORA + offs_r[None, :],
+            mask=n_valid[:, None] & r_valid[None, :],
+            other=0.0,
         )
         s = tl.dot(q_lat, tl.trans(kv), input_precision=DOT_PRECISION)
         s += tl.dot(q_pe, tl.trans(k_pe), input_precision=DOT_PRECISION)

@@ -60,7 +60,10 @@ class DeepSeekMultiTokenPredictorLayer(nn.Module):
         self.mtp_block = DeepseekV2DecoderLayer(config, prefix, layer_idx=layer_idx, v3=True)
 
     def forward(
-        self, inputs_embeds: torch.Tensor, positions: torch.Tensor, previous_hidden_states: torch.Tensor
+        self,
+        inputs_embeds: torch.Tensor,
+        positions: torch.Tensor,
+        previous_hidden_states: torch.Tensor,
     ) -> torch.Tensor:
         inputs_embeds = inputs_embeds.masked_fill((positions == 0).unsqueeze(-1), 0)
         hidden = self.eh_proj(
@@ -127,7 +130,9 @@ class DeepSeekMTP(nn.Module):
                     yield "embed_tokens.weight", tensor
                     continue
                 parts = name.split(".", 3)
-                if len(parts) < 4 or parts[:2] != ["model", "layers"] or int(parts[2]) not in mtp_layers:
+                if len(parts) < 4 or parts[:2] != ["model", "layers"]:
+                    continue
+                if int(parts[2]) not in mtp_layers:
                     continue
                 rest = parts[3]
                 if rest.startswith("embed_tokens."):

@@ -73,9 +73,13 @@ class DeepseekV2MLAAttention(nn.Module):
         bias = bool(getattr(config, "attention_bias", False))
         q_out = self.num_heads * self.qk_head_dim
         if self.q_lora_rank is not None:
-            self.q_a_proj = ReplicatedLinear(hidden, self.q_lora_rank, bias=bias, prefix=f"{prefix}.q_a_proj")
+            self.q_a_proj = ReplicatedLinear(
+                hidden, self.q_lora_rank, bias=bias, prefix=f"{prefix}.q_a_proj"
+            )
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, config.rms_norm_eps)
-            self.q_b_proj = ReplicatedLinear(self.q_lora_rank, q_out, bias=False, prefix=f"{prefix}.q_b_proj")
+            self.q_b_proj = ReplicatedLinear(
+                self.q_lora_rank, q_out, bias=False, prefix=f"{prefix}.q_b_proj"
+            )
         else:
             self.q_proj = ReplicatedLinear(hidden, q_out, bias=False, prefix=f"{prefix}.q_proj")
         self.kv_a_proj_with_mqa = ReplicatedLinear(
@@ -124,7 +128,8 @@ class DeepseekV2MLAAttention(nn.Module):
             q[..., self.qk_nope_head_dim :].reshape(q.shape[0], -1),
             k_pe.contiguous(),
         )
-        q = torch.cat((q[..., : self.qk_nope_head_dim], q_pe.view(q.shape[0], self.num_heads, -1)), dim=-1)
+        q_pe = q_pe.view(q.shape[0], self.num_heads, -1)
+        q = torch.cat((q[..., : self.qk_nope_head_dim], q_pe), dim=-1)
         return self.o_proj(self.mla_attn(q.reshape(q.shape[0], -1), kv_c, k_pe))
 
 
@@ -137,11 +142,15 @@ class DeepseekV2MoE(nn.Module):
     def __init__(self, config: Any, prefix: str = "", *, v3: bool) -> None:
         super().__init__()
         if config.hidden_act != "silu":
-            raise ValueError(f"{prefix}: unsupported hidden_act {config.hidden_act!r}; only silu is")
+            raise ValueError(
+                f"{prefix}: unsupported hidden_act {config.hidden_act!r}; only silu is"
+            )
         scoring = getattr(config, "scoring_func", None) or ("sigmoid" if v3 else "softmax")
         topk_method = getattr(config, "topk_method", None) or ("noaux_tc" if v3 else "greedy")
         grouped = topk_method in ("group_limited_greedy", "noaux_tc")
-        self.gate = ReplicatedLinear(config.hidden_size, config.n_routed_experts, bias=False, prefix=f"{prefix}.gate")
+        self.gate = ReplicatedLinear(
+            config.hidden_size, config.n_routed_experts, bias=False, prefix=f"{prefix}.gate"
+        )
         shared = None
         if getattr(config, "n_shared_experts", None):
             shared = LlamaMLP(
@@ -181,7 +190,10 @@ class DeepseekV2DecoderLayer(nn.Module):
             self.mlp: nn.Module = DeepseekV2MoE(config, prefix=f"{prefix}.mlp", v3=v3)
         else:
             self.mlp = LlamaMLP(
-                config.hidden_size, config.intermediate_size, config.hidden_act, prefix=f"{prefix}.mlp"
+                config.hidden_size,
+                config.intermediate_size,
+                config.hidden_act,
+                prefix=f"{prefix}.mlp",
             )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -208,7 +220,9 @@ class DeepseekV2Model(nn.Module):
             config.vocab_size, config.hidden_size, prefix=maybe_prefix(prefix, "embed_tokens")
         )
         self.layers = nn.ModuleList(
-            DeepseekV2DecoderLayer(config, prefix=maybe_prefix(prefix, f"layers.{i}"), layer_idx=i, v3=v3)
+            DeepseekV2DecoderLayer(
+                config, prefix=maybe_prefix(prefix, f"layers.{i}"), layer_idx=i, v3=v3
+            )
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -224,6 +238,7 @@ class DeepseekV2Model(nn.Module):
 
 _LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
 _ROUTED_EXPERT = re.compile(r"\.experts\.\d+\.")
+_GATE_UP_MAPPING = ((".gate_up_proj", ".gate_proj", 0), (".gate_up_proj", ".up_proj", 1))
 
 
 def load_deepseek_weights(
@@ -232,8 +247,8 @@ def load_deepseek_weights(
 ) -> set[str]:
     """Load HF/DeepSeek-named tensors into ``model``: gate/up into ``gate_up_proj``, per-expert
     projections stacked into the experts' ``w13_weight``/``w2_weight``, the router's
-    correction bias and the shared experts into their :class:`FusedMoE`. ``skip(name)`` drops names this module does
-    not own. Returns the fully loaded parameter names."""
+    correction bias and the shared experts into their :class:`FusedMoE`. ``skip(name)`` drops
+    names this module does not own. Returns the fully loaded parameter names."""
     params = dict(model.named_parameters())
     expert_mapping = FusedMoE.make_expert_params_mapping(num_experts)
     seen: dict[str, set] = defaultdict(set)
@@ -253,7 +268,7 @@ def load_deepseek_weights(
         if name.endswith("mlp.gate.e_score_correction_bias"):
             name = name.replace("mlp.gate.", "mlp.experts.")
         name = name.replace("mlp.shared_experts.", "mlp.experts.shared_experts.")
-        for fused, original, shard in ((".gate_up_proj", ".gate_proj", 0), (".gate_up_proj", ".up_proj", 1)):
+        for fused, original, shard in _GATE_UP_MAPPING:
             if original in name and not _ROUTED_EXPERT.search(name):
                 name = name.replace(original, fused)
                 p = param(name)
@@ -288,7 +303,9 @@ class DeepseekV2ForCausalLM(nn.Module):
     def __init__(self, config: Any, prefix: str = "") -> None:
         super().__init__()
         if get_tensor_model_parallel_world_size() > 1:
-            raise NotImplementedError(f"{type(self).__name__} does not support tensor parallelism yet")
+            raise NotImplementedError(
+                f"{type(self).__name__} does not support tensor parallelism yet"
+            )
         self.config = config
         self.model = DeepseekV2Model(config, prefix=maybe_prefix(prefix, "model"), v3=self.is_v3)
         self.lm_head = ParallelLMHead(

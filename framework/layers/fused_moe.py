@@ -132,11 +132,17 @@ class FusedMoE(nn.Module):
     ) -> None:
         super().__init__()
         if get_tensor_model_parallel_world_size() > 1:
-            raise NotImplementedError(f"{prefix}: FusedMoE does not shard experts across TP ranks yet")
+            raise NotImplementedError(
+                f"{prefix}: FusedMoE does not shard experts across TP ranks yet"
+            )
         if scoring_func not in SCORING_FUNCS:
-            raise ValueError(f"{prefix}: unsupported scoring_func {scoring_func!r}; supported: {SCORING_FUNCS}")
+            raise ValueError(
+                f"{prefix}: unsupported scoring_func {scoring_func!r}; supported: {SCORING_FUNCS}"
+            )
         if num_expert_group and num_experts % num_expert_group:
-            raise ValueError(f"{prefix}: {num_experts} experts do not split into {num_expert_group} groups")
+            raise ValueError(
+                f"{prefix}: {num_experts} experts do not split into {num_expert_group} groups"
+            )
         if top_k > num_experts:
             raise ValueError(f"{prefix}: top_k {top_k} exceeds the {num_experts} experts")
         if current_build_context().quant_method is not None:
@@ -172,7 +178,7 @@ class FusedMoE(nn.Module):
         """``(parameter prefix, checkpoint prefix, expert id, shard id)`` for every expert's
         gate/up/down projections, as vLLM's mapping."""
         return [
-            ("experts.w13_" if shard in ("w1", "w3") else "experts.w2_", f"experts.{e}.{name}.", e, shard)
+            ("experts.w2_" if shard == "w2" else "experts.w13_", f"experts.{e}.{name}.", e, shard)
             for e in range(num_experts)
             for shard, name in (("w1", "gate_proj"), ("w2", "down_proj"), ("w3", "up_proj"))
         ]

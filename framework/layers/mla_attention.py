@@ -64,7 +64,9 @@ class MLAAttention(nn.Module):
         )
         self.kv_cache: torch.Tensor | None = None
 
-    def forward(self, q: torch.Tensor, kv_c_normed: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, kv_c_normed: torch.Tensor, k_pe: torch.Tensor
+    ) -> torch.Tensor:
         out = self.impl.forward(
             q.view(-1, self.num_heads, self.qk_head_dim),
             kv_c_normed,
