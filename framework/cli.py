@@ -209,6 +209,7 @@ def cmd_plugins(args: argparse.Namespace) -> int:
         platform = None
     device = platform.device_type if platform else "cpu"
     attn_config = AttentionConfig(head_size=64, dtype=torch.float32, device_type=device)
+    mla_config = AttentionConfig(head_size=576, dtype=torch.float32, device_type=device, use_mla=True)
     for kind in KINDS:
         registry = manager.registries[kind]
         print(f"{kind}:")
@@ -218,7 +219,11 @@ def cmd_plugins(args: argparse.Namespace) -> int:
             reg = registry.get(name)
             note = ""
             if kind == "attention_backends":
-                reasons = backend_reasons(name, attn_config)
+                try:
+                    is_mla = reg.load().is_mla()
+                except PluginError:
+                    is_mla = False
+                reasons = backend_reasons(name, mla_config if is_mla else attn_config)
                 note = f"  [unavailable: {'; '.join(reasons)}]" if reasons else ""
             elif kind == "platforms":
                 try:

@@ -12,3 +12,6 @@ def register_models(register):
     register("LlamaForCausalLM", "tokenmill.models.llama:LlamaForCausalLM")
     register("MistralForCausalLM", "tokenmill.models.llama:MistralForCausalLM")
     register("Qwen2ForCausalLM", "tokenmill.models.qwen2:Qwen2ForCausalLM")
+    register("DeepseekV2ForCausalLM", "tokenmill.models.deepseek_v2:DeepseekV2ForCausalLM")
+    register("DeepseekV3ForCausalLM", "tokenmill.models.deepseek_v2:DeepseekV3ForCausalLM")
+    register("DeepSeekMTPModel", "tokenmill.models.deepseek_mtp:DeepSeekMTP")

@@ -27,6 +27,7 @@ class CudaPlatform(Platform):
     """bfloat16 needs compute capability 8.0 (Ampere); ``check_and_update_config`` enforces it."""
     detection_priority = 10
     attn_backend_priority: tuple[str, ...] = ("flash_attn", "flashinfer", "triton", "torch")
+    mla_backend_priority: tuple[str, ...] = ("triton_mla", "torch_mla")
 
     @classmethod
     def is_available(cls) -> bool:
@@ -48,6 +49,8 @@ class CudaPlatform(Platform):
         """The selector takes the first whose ``validate_configuration`` has no reasons, so a
         backend that is not installed or cannot serve this head size / dtype / block size is
         skipped in favour of the next."""
+        if config.use_mla:
+            return list(cls.mla_backend_priority + cls.attn_backend_priority)
         return list(cls.attn_backend_priority)
 
     @classmethod

@@ -133,6 +133,70 @@ class Llama3RotaryEmbedding(RotaryEmbedding):
         )
 
 
+class YaRNScalingRotaryEmbedding(RotaryEmbedding):
+    """YaRN (as HF's ``yarn`` rope type and DeepSeek's scaling): frequencies blended between
+    interpolated (``/ factor``) and original by a linear ramp over the correction range of
+    ``beta_fast``/``beta_slow`` rotations, and cos/sin multiplied by ``attention_factor``
+    (by default ``mscale(factor, mscale) / mscale(factor, mscale_all_dim)``)."""
+
+    def __init__(
+        self,
+        *args: Any,
+        factor: float,
+        original_max_position_embeddings: int,
+        beta_fast: float | None = None,
+        beta_slow: float | None = None,
+        mscale: float | None = None,
+        mscale_all_dim: float | None = None,
+        attention_factor: float | None = None,
+        truncate: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        self.factor = factor
+        self.original_max_position = original_max_position_embeddings
+        self.beta_fast = beta_fast or 32
+        self.beta_slow = beta_slow or 1
+        self.truncate = truncate
+        if attention_factor is None:
+            if mscale and mscale_all_dim:
+                attention_factor = yarn_get_mscale(factor, mscale) / yarn_get_mscale(
+                    factor, mscale_all_dim
+                )
+            else:
+                attention_factor = yarn_get_mscale(factor)
+        self.attention_factor = float(attention_factor)
+        super().__init__(*args, **kwargs)
+
+    def _correction_dim(self, num_rotations: float) -> float:
+        return (
+            self.rotary_dim
+            * math.log(self.original_max_position / (num_rotations * 2 * math.pi))
+            / (2 * math.log(self.base))
+        )
+
+    def _compute_inv_freq(self) -> torch.Tensor:
+        pos_freqs = self.base ** (
+            torch.arange(0, self.rotary_dim, 2, dtype=torch.float32) / self.rotary_dim
+        )
+        low, high = self._correction_dim(self.beta_fast), self._correction_dim(self.beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, self.rotary_dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = ((torch.arange(self.rotary_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+        extrapolation = 1 - ramp
+        return (1.0 / (self.factor * pos_freqs)) * ramp + (1.0 / pos_freqs) * extrapolation
+
+    def _compute_cos_sin_cache(self) -> torch.Tensor:
+        return super()._compute_cos_sin_cache() * self.attention_factor
+
+
+def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature ``0.1·mscale·ln(scale) + 1`` (1 for ``scale <= 1``)."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
 def rope_config(config: Any) -> tuple[float, dict[str, Any] | None]:
     """``(rope_theta, rope_scaling)`` from a HF config of any transformers version.
 
@@ -191,9 +255,19 @@ def get_rope(
             high_freq_factor=scaling["high_freq_factor"],
             original_max_position_embeddings=scaling["original_max_position_embeddings"],
         )
+    elif rope_type == "yarn":
+        keys = (
+            "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate"
+        )
+        rope = YaRNScalingRotaryEmbedding(
+            *args,
+            factor=scaling["factor"],
+            original_max_position_embeddings=scaling["original_max_position_embeddings"],
+            **{k: scaling[k] for k in keys if scaling.get(k) is not None},
+        )
     else:
         raise NotImplementedError(
-            f"rope_type {rope_type!r} is not supported; supported: default, linear, llama3"
+            f"rope_type {rope_type!r} is not supported; supported: default, linear, llama3, yarn"
         )
     _ROPE_CACHE[key] = rope
     return rope

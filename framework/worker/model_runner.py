@@ -25,6 +25,7 @@ from tokenmill.interfaces.attention import (
 from tokenmill.interfaces.kv_cache_spec import KVCacheSpec
 from tokenmill.layers.attention import Attention
 from tokenmill.layers.build_context import BuildContext
+from tokenmill.layers.mla_attention import MLAAttention, is_mla_config, mla_head_size
 from tokenmill.logprobs import LogprobsLists
 from tokenmill.model_loader.loader import load_model
 from tokenmill.sample.sampler import Penalties, Sampler, SamplerOutput, SamplingMetadata
@@ -59,13 +60,15 @@ class ModelRunner:
         self.config = config
         self.device = device
         self.block_size = config.block_size
+        use_mla = is_mla_config(config.hf_config)
         attn_config = AttentionConfig(
-            head_size=_head_size(config.hf_config),
+            head_size=mla_head_size(config.hf_config) if use_mla else _head_size(config.hf_config),
             dtype=config.torch_dtype,
             kv_cache_dtype=config.kv_cache_dtype,
             block_size=config.block_size,
             device_type=config.platform_cls.device_type,
             sliding_window=_sliding_window(config.hf_config),
+            use_mla=use_mla,
         )
         self.attn_backend: type[AttentionBackend]
         self.attn_backend, self.attn_backend_reason = choose_attention_backend(
@@ -98,9 +101,13 @@ class ModelRunner:
         self.model = load_model(self.config.model_path, self.config.hf_config, ctx, self.device)
         self.prompt_logprobs = PromptLogprobs(self.model.compute_logits)
 
-    def attention_layers(self) -> dict[str, Attention]:
+    def attention_layers(self) -> dict[str, Attention | MLAAttention]:
         assert self.model is not None
-        return {m.layer_name: m for m in self.model.modules() if isinstance(m, Attention)}
+        return {
+            m.layer_name: m
+            for m in self.model.modules()
+            if isinstance(m, (Attention, MLAAttention))
+        }
 
     def get_kv_cache_specs(self) -> dict[str, KVCacheSpec]:
         return {

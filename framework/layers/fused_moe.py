@@ -1,0 +1,238 @@
+"""Mixture-of-experts layer with stacked expert weights (after vLLM's ``FusedMoE``).
+
+Routing (:func:`select_experts`) turns router logits into ``top_k`` experts and weights per
+token: softmax or sigmoid scores, an optional score-correction bias that steers the choice but
+not the weights (DeepSeek-V3), group-limited top-k (``num_expert_group`` groups, the best
+``topk_group`` of them kept), renormalisation and a routed scaling factor. The experts' SwiGLU
+weights are stacked at load time into ``w13_weight`` [E, 2I, H] (gate rows then up rows) and
+``w2_weight`` [E, H, I] from per-expert checkpoint tensors.
+
+The CPU computation sorts the (token, expert) pairs by expert and runs one pair of GEMMs per
+expert that received tokens; on CUDA the Triton fused-MoE kernel does the same in one launch
+per GEMM.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.distributed.parallel_state import get_tensor_model_parallel_world_size
+from tokenmill.layers.build_context import current_build_context
+
+SCORING_FUNCS = ("softmax", "sigmoid")
+
+
+def select_experts(
+    router_logits: torch.Tensor,
+    top_k: int,
+    *,
+    scoring_func: str = "softmax",
+    renormalize: bool = False,
+    num_expert_group: int | None = None,
+    topk_group: int | None = None,
+    e_score_correction_bias: torch.Tensor | None = None,
+    routed_scaling_factor: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(topk_weights [T, top_k] float32, topk_ids [T, top_k] int64)`` from ``router_logits``
+    [T, E].
+
+    With groups, each group scores by its best expert (no bias) or by the sum of its two best
+    biased scores (with ``e_score_correction_bias``, as DeepSeek-V3); experts outside the
+    ``topk_group`` best groups cannot be chosen. The bias only ranks experts: the weights are
+    the unbiased scores.
+    """
+    logits = router_logits.float()
+    if scoring_func == "softmax":
+        scores = logits.softmax(dim=-1)
+    elif scoring_func == "sigmoid":
+        scores = logits.sigmoid()
+    else:
+        raise ValueError(f"unsupported scoring_func {scoring_func!r}; supported: {SCORING_FUNCS}")
+    choice = scores if e_score_correction_bias is None else scores + e_score_correction_bias.float()
+    if num_expert_group is not None and num_expert_group > 1:
+        num_tokens, num_experts = choice.shape
+        grouped = choice.view(num_tokens, num_expert_group, num_experts // num_expert_group)
+        if e_score_correction_bias is None:
+            group_scores = grouped.max(dim=-1).values
+        else:
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+        group_idx = group_scores.topk(topk_group, dim=-1, sorted=False).indices
+        group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)
+        choice = grouped.masked_fill(~group_mask.unsqueeze(-1), float("-inf")).view(
+            num_tokens, num_experts
+        )
+    topk_ids = choice.topk(top_k, dim=-1, sorted=False).indices
+    topk_weights = scores.gather(1, topk_ids)
+    if renormalize:
+        topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return topk_weights * routed_scaling_factor, topk_ids
+
+
+def fused_experts_sorted(
+    hidden_states: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """SwiGLU experts over (token, expert) pairs sorted by expert: one gather, one GEMM pair
+    per expert that has tokens, then the weighted rows scattered back to pair order and
+    summed over each token's ``top_k`` (several times faster on the CPU than ``index_add_``).
+    [T, H] in, [T, H] out."""
+    num_tokens, top_k = topk_ids.shape
+    flat_ids = topk_ids.flatten()
+    order = flat_ids.argsort(stable=True)
+    token_idx = order // top_k
+    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
+    x = hidden_states.index_select(0, token_idx)
+    inter = w2.shape[2]
+    out = torch.empty_like(x)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        end = start + count
+        gate_up = torch.mm(x[start:end], w13[expert].t())
+        act = F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])
+        torch.mm(act, w2[expert].t(), out=out[start:end])
+        start = end
+    out.mul_(topk_weights.flatten()[order].to(out.dtype).unsqueeze(1))
+    unsorted = torch.empty_like(out)
+    unsorted[order] = out
+    return unsorted.view(num_tokens, top_k, -1).sum(dim=1)
+
+
+class FusedMoE(nn.Module):
+    """Routed SwiGLU experts (plus optional always-on ``shared_experts``) on flat [T, H] input.
+
+    ``forward(hidden_states, router_logits)`` routes with :func:`select_experts` and returns
+    the routed output plus the shared experts' output. ``e_score_correction_bias`` (a float32
+    parameter) exists when ``use_correction_bias`` is set. Checkpoint tensors load through
+    ``weight_loader(param, tensor, expert_id, shard_id)`` with ``shard_id`` ``"w1"`` (gate),
+    ``"w3"`` (up) or ``"w2"`` (down); :meth:`make_expert_params_mapping` lists the names.
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        top_k: int,
+        hidden_size: int,
+        intermediate_size: int,
+        *,
+        scoring_func: str = "softmax",
+        renormalize: bool = False,
+        num_expert_group: int | None = None,
+        topk_group: int | None = None,
+        use_correction_bias: bool = False,
+        routed_scaling_factor: float = 1.0,
+        shared_experts: nn.Module | None = None,
+        prefix: str = "",
+    ) -> None:
+        super().__init__()
+        if get_tensor_model_parallel_world_size() > 1:
+            raise NotImplementedError(
+                f"{prefix}: FusedMoE does not shard experts across TP ranks yet"
+            )
+        if scoring_func not in SCORING_FUNCS:
+            raise ValueError(
+                f"{prefix}: unsupported scoring_func {scoring_func!r}; supported: {SCORING_FUNCS}"
+            )
+        if num_expert_group and num_experts % num_expert_group:
+            raise ValueError(
+                f"{prefix}: {num_experts} experts do not split into {num_expert_group} groups"
+            )
+        if top_k > num_experts:
+            raise ValueError(f"{prefix}: top_k {top_k} exceeds the {num_experts} experts")
+        if current_build_context().quant_method is not None:
+            raise NotImplementedError(f"{prefix}: quantized MoE experts are not supported")
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.scoring_func = scoring_func
+        self.renormalize = renormalize
+        self.num_expert_group = num_expert_group
+        self.topk_group = topk_group
+        self.routed_scaling_factor = routed_scaling_factor
+        self.shared_experts = shared_experts
+        self.prefix = prefix
+        self.w13_weight = nn.Parameter(
+            torch.empty(num_experts, 2 * intermediate_size, hidden_size), requires_grad=False
+        )
+        self.w2_weight = nn.Parameter(
+            torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False
+        )
+        for param in (self.w13_weight, self.w2_weight):
+            param.weight_loader = self.weight_loader
+        if use_correction_bias:
+            self.e_score_correction_bias = nn.Parameter(
+                torch.zeros(num_experts, dtype=torch.float32), requires_grad=False
+            )
+        else:
+            self.register_parameter("e_score_correction_bias", None)
+
+    @staticmethod
+    def make_expert_params_mapping(num_experts: int) -> list[tuple[str, str, int, str]]:
+        """``(parameter prefix, checkpoint prefix, expert id, shard id)`` for every expert's
+        gate/up/down projections, as vLLM's mapping."""
+        return [
+            ("experts.w2_" if shard == "w2" else "experts.w13_", f"experts.{e}.{name}.", e, shard)
+            for e in range(num_experts)
+            for shard, name in (("w1", "gate_proj"), ("w2", "down_proj"), ("w3", "up_proj"))
+        ]
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, expert_id: int, shard_id: str
+    ) -> None:
+        inter = self.intermediate_size
+        if shard_id == "w2":
+            dst = param.data[expert_id]
+        elif shard_id in ("w1", "w3"):
+            offset = 0 if shard_id == "w1" else inter
+            dst = param.data[expert_id, offset : offset + inter]
+        else:
+            raise ValueError(f"{self.prefix}: unknown expert shard {shard_id!r}")
+        if dst.shape != loaded_weight.shape:
+            raise ValueError(
+                f"{self.prefix}: expert {expert_id} {shard_id} has shape "
+                f"{tuple(loaded_weight.shape)}, expected {tuple(dst.shape)}"
+            )
+        dst.copy_(loaded_weight)
+
+    def route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's :func:`select_experts`."""
+        return select_experts(
+            router_logits,
+            self.top_k,
+            scoring_func=self.scoring_func,
+            renormalize=self.renormalize,
+            num_expert_group=self.num_expert_group,
+            topk_group=self.topk_group,
+            e_score_correction_bias=self.e_score_correction_bias,
+            routed_scaling_factor=self.routed_scaling_factor,
+        )
+
+    def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        topk_weights, topk_ids = self.route(router_logits)
+        if hidden_states.is_cuda:
+            from tokenmill.layers.fused_moe_triton import fused_experts_triton
+
+            out = fused_experts_triton(
+                hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids
+            )
+        else:
+            out = fused_experts_sorted(
+                hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids
+            )
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(hidden_states)
+        return out
+
+    def extra_repr(self) -> str:
+        return (
+            f"experts={self.num_experts}, top_k={self.top_k}, hidden={self.hidden_size}, "
+            f"intermediate={self.intermediate_size}, scoring={self.scoring_func}, "
+            f"groups={self.num_expert_group}/{self.topk_group}"
+        )

@@ -1,0 +1,345 @@
+"""DeepSeek-V2 and V3 for tokenmill, after vLLM's ``deepseek_v2.py``: multi-head latent
+attention over a latent KV cache and mixture-of-experts MLPs.
+
+Checkpoints load as transformers writes them (per-expert ``mlp.experts.{e}.*_proj`` tensors
+stacked into :class:`FusedMoE`'s weights) and as DeepSeek ships them (the same names; V3's
+multi-token-prediction layers at index ``num_hidden_layers`` are skipped here and served by
+:mod:`tokenmill.models.deepseek_mtp`).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from collections.abc import Iterable
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.distributed.parallel_state import get_tensor_model_parallel_world_size
+from tokenmill.layers.fused_moe import FusedMoE
+from tokenmill.layers.layernorm import RMSNorm
+from tokenmill.layers.linear import ReplicatedLinear
+from tokenmill.layers.mla_attention import MLAAttention
+from tokenmill.layers.rotary_embedding import get_rope, rope_config, yarn_get_mscale
+from tokenmill.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+from tokenmill.model_loader.weights import default_weight_loader
+from tokenmill.models.llama import LlamaMLP, maybe_prefix
+
+
+def softmax_scale(config: Any) -> float:
+    """``qk_head_dim**-0.5``, times ``mscale(factor, mscale_all_dim)²`` under YaRN scaling."""
+    scale = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5
+    _, scaling = rope_config(config)
+    if scaling is not None:
+        mscale_all_dim = scaling.get("mscale_all_dim") or 0
+        if mscale_all_dim:
+            mscale = yarn_get_mscale(scaling["factor"], mscale_all_dim)
+            scale *= mscale * mscale
+    return scale
+
+
+def rope_is_interleaved(config: Any) -> bool:
+    """DeepSeek rotates interleaved pairs (V2 always; V3 unless ``rope_interleave`` is off)."""
+    return config.model_type == "deepseek_v2" or bool(getattr(config, "rope_interleave", True))
+
+
+def is_moe_layer(config: Any, layer_idx: int) -> bool:
+    """Layers from ``first_k_dense_replace`` on are MoE, every ``moe_layer_freq``-th."""
+    return (
+        getattr(config, "n_routed_experts", None) is not None
+        and layer_idx >= config.first_k_dense_replace
+        and layer_idx % getattr(config, "moe_layer_freq", 1) == 0
+    )
+
+
+class DeepseekV2MLAAttention(nn.Module):
+    """Query (direct or through the ``q_lora_rank`` bottleneck), the joint latent
+    ``kv_a_proj_with_mqa`` → ``kv_c`` (normalised) + ``k_pe`` (rotated), MLA over the latent
+    cache, then ``o_proj``."""
+
+    def __init__(self, config: Any, prefix: str = "") -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        self.num_heads = config.num_attention_heads
+        self.qk_nope_head_dim = config.qk_nope_head_dim
+        self.qk_rope_head_dim = config.qk_rope_head_dim
+        self.qk_head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
+        self.v_head_dim = config.v_head_dim
+        self.kv_lora_rank = config.kv_lora_rank
+        self.q_lora_rank = getattr(config, "q_lora_rank", None)
+        bias = bool(getattr(config, "attention_bias", False))
+        q_out = self.num_heads * self.qk_head_dim
+        if self.q_lora_rank is not None:
+            self.q_a_proj = ReplicatedLinear(
+                hidden, self.q_lora_rank, bias=bias, prefix=f"{prefix}.q_a_proj"
+            )
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, config.rms_norm_eps)
+            self.q_b_proj = ReplicatedLinear(
+                self.q_lora_rank, q_out, bias=False, prefix=f"{prefix}.q_b_proj"
+            )
+        else:
+            self.q_proj = ReplicatedLinear(hidden, q_out, bias=False, prefix=f"{prefix}.q_proj")
+        self.kv_a_proj_with_mqa = ReplicatedLinear(
+            hidden, self.kv_lora_rank + self.qk_rope_head_dim, bias=bias,
+            prefix=f"{prefix}.kv_a_proj_with_mqa",
+        )
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, config.rms_norm_eps)
+        self.kv_b_proj = ReplicatedLinear(
+            self.kv_lora_rank, self.num_heads * (self.qk_nope_head_dim + self.v_head_dim),
+            bias=False, prefix=f"{prefix}.kv_b_proj",
+        )
+        self.o_proj = ReplicatedLinear(
+            self.num_heads * self.v_head_dim, hidden, bias=bias, prefix=f"{prefix}.o_proj"
+        )
+        rope_theta, rope_scaling = rope_config(config)
+        self.rotary_emb = get_rope(
+            self.qk_rope_head_dim,
+            self.qk_rope_head_dim,
+            config.max_position_embeddings,
+            rope_theta,
+            rope_scaling,
+            is_neox_style=not rope_is_interleaved(config),
+        )
+        self.mla_attn = MLAAttention(
+            self.num_heads,
+            softmax_scale(config),
+            self.qk_nope_head_dim,
+            self.qk_rope_head_dim,
+            self.v_head_dim,
+            self.kv_lora_rank,
+            self.kv_b_proj,
+            prefix=f"{prefix}.attn",
+        )
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        if self.q_lora_rank is not None:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
+        else:
+            q = self.q_proj(hidden_states)
+        q = q.view(-1, self.num_heads, self.qk_head_dim)
+        latent = self.kv_a_proj_with_mqa(hidden_states)
+        kv_c, k_pe = latent.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        kv_c = self.kv_a_layernorm(kv_c.contiguous())
+        q_pe, k_pe = self.rotary_emb(
+            positions,
+            q[..., self.qk_nope_head_dim :].reshape(q.shape[0], -1),
+            k_pe.contiguous(),
+        )
+        q_pe = q_pe.view(q.shape[0], self.num_heads, -1)
+        q = torch.cat((q[..., : self.qk_nope_head_dim], q_pe), dim=-1)
+        return self.o_proj(self.mla_attn(q.reshape(q.shape[0], -1), kv_c, k_pe))
+
+
+class DeepseekV2MoE(nn.Module):
+    """Router (float32 logits), routed experts in :class:`FusedMoE` and the shared experts.
+    V2 scores with softmax (group-limited when ``topk_method`` says so); V3 with sigmoid,
+    ``e_score_correction_bias`` and groups; a config's ``scoring_func``/``topk_method``
+    (DeepSeek's own names) override the defaults."""
+
+    def __init__(self, config: Any, prefix: str = "", *, v3: bool) -> None:
+        super().__init__()
+        if config.hidden_act != "silu":
+            raise ValueError(
+                f"{prefix}: unsupported hidden_act {config.hidden_act!r}; only silu is"
+            )
+        scoring = getattr(config, "scoring_func", None) or ("sigmoid" if v3 else "softmax")
+        topk_method = getattr(config, "topk_method", None) or ("noaux_tc" if v3 else "greedy")
+        grouped = topk_method in ("group_limited_greedy", "noaux_tc")
+        self.gate = ReplicatedLinear(
+            config.hidden_size, config.n_routed_experts, bias=False, prefix=f"{prefix}.gate"
+        )
+        shared = None
+        if getattr(config, "n_shared_experts", None):
+            shared = LlamaMLP(
+                config.hidden_size,
+                config.moe_intermediate_size * config.n_shared_experts,
+                config.hidden_act,
+                prefix=f"{prefix}.shared_experts",
+            )
+        self.experts = FusedMoE(
+            config.n_routed_experts,
+            config.num_experts_per_tok,
+            config.hidden_size,
+            config.moe_intermediate_size,
+            scoring_func=scoring,
+            renormalize=bool(getattr(config, "norm_topk_prob", False)),
+            num_expert_group=config.n_group if grouped else None,
+            topk_group=config.topk_group if grouped else None,
+            use_correction_bias=topk_method == "noaux_tc",
+            routed_scaling_factor=float(getattr(config, "routed_scaling_factor", 1.0)),
+            shared_experts=shared,
+            prefix=f"{prefix}.experts",
+        )
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        router_logits = F.linear(hidden_states.float(), self.gate.weight.float())
+        return self.experts(hidden_states, router_logits)
+
+
+class DeepseekV2DecoderLayer(nn.Module):
+    """Pre-norm MLA + (MoE or dense SwiGLU) block with the residual carried through the
+    fused-add RMSNorms."""
+
+    def __init__(self, config: Any, prefix: str = "", *, layer_idx: int, v3: bool) -> None:
+        super().__init__()
+        self.self_attn = DeepseekV2MLAAttention(config, prefix=f"{prefix}.self_attn")
+        if is_moe_layer(config, layer_idx):
+            self.mlp: nn.Module = DeepseekV2MoE(config, prefix=f"{prefix}.mlp", v3=v3)
+        else:
+            self.mlp = LlamaMLP(
+                config.hidden_size,
+                config.intermediate_size,
+                config.hidden_act,
+                prefix=f"{prefix}.mlp",
+            )
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class DeepseekV2Model(nn.Module):
+    """Embedding, decoder stack and final norm."""
+
+    def __init__(self, config: Any, prefix: str = "", *, v3: bool) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, prefix=maybe_prefix(prefix, "embed_tokens")
+        )
+        self.layers = nn.ModuleList(
+            DeepseekV2DecoderLayer(
+                config, prefix=maybe_prefix(prefix, f"layers.{i}"), layer_idx=i, v3=v3
+            )
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden_states = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, residual)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+_LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
+_ROUTED_EXPERT = re.compile(r"\.experts\.\d+\.")
+_GATE_UP_MAPPING = ((".gate_up_proj", ".gate_proj", 0), (".gate_up_proj", ".up_proj", 1))
+
+
+def load_deepseek_weights(
+    model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], num_experts: int,
+    skip: Any = None,
+) -> set[str]:
+    """Load HF/DeepSeek-named tensors into ``model``: gate/up into ``gate_up_proj``, per-expert
+    projections stacked into the experts' ``w13_weight``/``w2_weight``, the router's
+    correction bias and the shared experts into their :class:`FusedMoE`. ``skip(name)`` drops
+    names this module does not own. Returns the fully loaded parameter names."""
+    params = dict(model.named_parameters())
+    expert_mapping = FusedMoE.make_expert_params_mapping(num_experts)
+    seen: dict[str, set] = defaultdict(set)
+    loaded: set[str] = set()
+
+    def param(name: str) -> nn.Parameter:
+        try:
+            return params[name]
+        except KeyError:
+            raise ValueError(
+                f"checkpoint weight {name!r} has no matching parameter in {type(model).__name__}"
+            ) from None
+
+    for name, tensor in weights:
+        if "rotary_emb.inv_freq" in name or (skip is not None and skip(name)):
+            continue
+        if name.endswith("mlp.gate.e_score_correction_bias"):
+            name = name.replace("mlp.gate.", "mlp.experts.")
+        name = name.replace("mlp.shared_experts.", "mlp.experts.shared_experts.")
+        for fused, original, shard in _GATE_UP_MAPPING:
+            if original in name and not _ROUTED_EXPERT.search(name):
+                name = name.replace(original, fused)
+                p = param(name)
+                p.weight_loader(p, tensor, shard)
+                seen[name].add(shard)
+                if len(seen[name]) == 2:
+                    loaded.add(name)
+                break
+        else:
+            for param_prefix, ckpt_prefix, expert, shard in expert_mapping:
+                if ckpt_prefix in name:
+                    name = name.replace(ckpt_prefix, param_prefix)
+                    p = param(name)
+                    p.weight_loader(p, tensor, expert, shard)
+                    seen[name].add((expert, shard))
+                    if len(seen[name]) == num_experts * (2 if param_prefix.endswith("w13_") else 1):
+                        loaded.add(name)
+                    break
+            else:
+                p = param(name)
+                getattr(p, "weight_loader", default_weight_loader)(p, tensor)
+                loaded.add(name)
+    return loaded
+
+
+class DeepseekV2ForCausalLM(nn.Module):
+    """DeepSeek-V2 (softmax routing): ``forward`` returns last-layer hidden states [T, hidden];
+    ``compute_logits`` the float32 logits of the rows the sampler needs."""
+
+    is_v3: ClassVar[bool] = False
+
+    def __init__(self, config: Any, prefix: str = "") -> None:
+        super().__init__()
+        if get_tensor_model_parallel_world_size() > 1:
+            raise NotImplementedError(
+                f"{type(self).__name__} does not support tensor parallelism yet"
+            )
+        self.config = config
+        self.model = DeepseekV2Model(config, prefix=maybe_prefix(prefix, "model"), v3=self.is_v3)
+        self.lm_head = ParallelLMHead(
+            config.vocab_size, config.hidden_size, prefix=maybe_prefix(prefix, "lm_head")
+        )
+        if self.tie_word_embeddings:
+            self.lm_head.tie_weights(self.model.embed_tokens)
+
+    @property
+    def tie_word_embeddings(self) -> bool:
+        return bool(getattr(self.config, "tie_word_embeddings", False))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden_states)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load the decoder stack; MTP layers (index ≥ ``num_hidden_layers``) are skipped."""
+        num_layers = self.config.num_hidden_layers
+
+        def skip(name: str) -> bool:
+            match = _LAYER_INDEX.match(name)
+            if match is not None and int(match.group(1)) >= num_layers:
+                return True
+            return self.tie_word_embeddings and name.startswith("lm_head.")
+
+        return load_deepseek_weights(
+            self, weights, getattr(self.config, "n_routed_experts", None) or 0, skip
+        )
+
+
+class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
+    """DeepSeek-V3: sigmoid routing with ``e_score_correction_bias`` and group-limited top-k."""
+
+    is_v3 = True
