@@ -44,12 +44,33 @@ def summary(out: str) -> dict[str, str]:
     }
 
 
+DEEPSEEK_CONFTEST = """
+from pathlib import Path
+
+from deepseek_checkpoints import save_deepseek
+
+VERSIONS = {"DeepseekV2ForCausalLM": "v2", "DeepseekV3ForCausalLM": "v3"}
+
+
+def pytest_tokenmill_tiny_checkpoint(arch, path):
+    if arch in VERSIONS:
+        return Path(save_deepseek(path, VERSIONS[arch])[0])
+"""
+"""The kit's hook for the DeepSeek models, whose transformers defaults are far from tiny."""
+
+CAUSAL_LMS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+"""The first-party models the kit checks (not ``DeepSeekMTPModel``: a draft module, no LM)."""
+
+
 def test_first_party_cpu_parts_pass(tmp_path):
+    (tmp_path / "conftest.py").write_text(DEEPSEEK_CONFTEST)
+    models = [arg for arch in CAUSAL_LMS for arg in ("--tokenmill-model", arch)]
     result = run_kit(
         tmp_path,
         "--tokenmill-backend", "torch", "--tokenmill-backend", "cpu_sdpa",
         "--tokenmill-platform", "cpu",
-        "--tokenmill-plugin", "models",
+        *models,
+        pythonpath=[TESTS],
     )
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
     report = summary(result.stdout)
@@ -60,6 +81,8 @@ def test_first_party_cpu_parts_pass(tmp_path):
         "model 'LlamaForCausalLM'": "5 of 5 contract points passed",
         "model 'MistralForCausalLM'": "5 of 5 contract points passed",
         "model 'Qwen2ForCausalLM'": "5 of 5 contract points passed",
+        "model 'DeepseekV2ForCausalLM'": "5 of 5 contract points passed",
+        "model 'DeepseekV3ForCausalLM'": "5 of 5 contract points passed",
     }, result.stdout[-4000:]
 
 
@@ -73,10 +96,17 @@ def test_example_plugin_passes(tmp_path, example_plugin_site):
     }, result.stdout[-4000:]
 
 
-def test_unknown_plugin_is_a_usage_error(tmp_path):
-    result = run_kit(tmp_path, "--tokenmill-plugin", "nope")
-    assert result.returncode != 0
-    assert "no installed tokenmill plugin named nope" in result.stderr + result.stdout
+@pytest.mark.parametrize(
+    "option,message",
+    [
+        ("--tokenmill-plugin", "no installed tokenmill plugin named nope"),
+        ("--tokenmill-model", "no registered model named nope"),
+    ],
+)
+def test_unknown_part_is_a_usage_error(tmp_path, option, message):
+    result = run_kit(tmp_path, option, "nope")
+    assert result.returncode == 4, result.stdout + result.stderr
+    assert message in result.stderr + result.stdout
 
 
 def test_broken_parts_fail_at_their_contract_point(tmp_path):

@@ -29,7 +29,7 @@ class KitHooks:
     """Hooks a plugin author implements in a ``conftest.py`` (or a pytest plugin)."""
 
     @pytest.hookspec(firstresult=True)
-    def tokenmill_tiny_checkpoint(self, arch: str, path: Path) -> Path | None:
+    def pytest_tokenmill_tiny_checkpoint(self, arch: str, path: Path) -> Path | None:
         """Save a tiny random checkpoint of architecture ``arch`` (``config.json`` and
         safetensors) under ``path`` and return the directory; None leaves it to the kit, which
         builds one with transformers when transformers knows ``arch``."""
@@ -68,10 +68,18 @@ def pytest_addoption(parser) -> None:
 def selected_parts(config) -> dict[str, list[str]]:
     """kind -> names of the parts to check, from the kit's options."""
     plugin_names = config.getoption("--tokenmill-plugin")
-    parts = {kind: list(config.getoption(option)) for kind, (_, _, option) in SUITES.items()}
-    if plugin_names:
-        from tokenmill import plugins
+    from tokenmill import plugins
 
+    parts = {kind: list(config.getoption(option)) for kind, (_, _, option) in SUITES.items()}
+    for kind, names in parts.items():
+        registry = plugins.get_registry(kind)
+        unknown = [name for name in names if name not in registry]
+        if unknown:
+            raise pytest.UsageError(
+                f"{SUITES[kind][2]}: no registered {LABELS[kind]} named {', '.join(unknown)}; "
+                f"registered: {', '.join(registry.names())}"
+            )
+    if plugin_names:
         installed = plugins.get_plugin_manager().plugin_distributions
         unknown = sorted(set(plugin_names) - set(installed))
         if unknown:

@@ -22,16 +22,16 @@ MAX_TOKENS = 16
 
 @pytest.fixture(scope="module")
 def checkpoint(tokenmill_model: str, request, tmp_path_factory):
-    """The author's tiny checkpoint (hook ``tokenmill_tiny_checkpoint``), else one saved by
+    """The author's tiny checkpoint (hook ``pytest_tokenmill_tiny_checkpoint``), else one saved by
     transformers."""
     path = tmp_path_factory.mktemp(tokenmill_model)
-    made = request.config.hook.tokenmill_tiny_checkpoint(arch=tokenmill_model, path=path)
+    made = request.config.hook.pytest_tokenmill_tiny_checkpoint(arch=tokenmill_model, path=path)
     if made is not None:
         return made
     if hf_model_class(tokenmill_model) is None:
         pytest.fail(
             f"no tiny checkpoint for {tokenmill_model!r}: transformers has no such class; "
-            f"implement the tokenmill_tiny_checkpoint(arch, path) hook in your conftest.py"
+            f"implement the pytest_tokenmill_tiny_checkpoint(arch, path) hook in your conftest.py"
         )
     return save_tiny_checkpoint(tokenmill_model, path)
 
@@ -107,10 +107,12 @@ def test_missing_weight_is_named(checkpoint, tmp_path):
         if f.is_file() and f != files[0]:
             (broken / f.name).write_bytes(f.read_bytes())
     save_file(tensors, broken / files[0].name, metadata={"format": "pt"})
-    module = victim.rsplit(".", 2)[0]
+    parts = victim.split(".")
+    layer = next((i for i, part in enumerate(parts) if part.isdigit()), len(parts) - 2)
+    owner = ".".join(parts[1 : layer + 1])
     with pytest.raises(Exception) as info:
         LLM(model=str(broken), block_size=8, max_model_len=256, num_kv_blocks=16)
-    assert module.split(".", 1)[-1] in str(info.value), (
-        f"the checkpoint lacks {victim!r}; the error does not name its module "
-        f"({module!r}): {info.value}"
+    assert owner in str(info.value), (
+        f"the checkpoint lacks {victim!r}; the error does not name a parameter of "
+        f"{owner!r}: {info.value}"
     )
