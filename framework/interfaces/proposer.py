@@ -13,11 +13,13 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch import nn
+
+from tokenmill.interfaces.attention import CommonAttentionMetadata
 
 if TYPE_CHECKING:
     from tokenmill.config import EngineConfig
@@ -34,13 +36,14 @@ class FlatInputs:
     Attributes:
         input_ids: ``[T]`` int64 token ids, request by request.
         positions: ``[T]`` int64.
-        attn_metadata: the attention backend's metadata (for ``set_forward_context``).
+        common: the backend-independent attention metadata; the proposer builds its layers'
+            metadata from it with its own builder.
         last_token_index: ``[R]`` int64 index of each request's last token in the ``T``.
     """
 
     input_ids: torch.Tensor
     positions: torch.Tensor
-    attn_metadata: Any
+    common: CommonAttentionMetadata
     last_token_index: torch.Tensor
 
 

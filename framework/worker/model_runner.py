@@ -235,9 +235,7 @@ class ModelRunner:
     ) -> FlatInputs:
         """``TargetStep.prepare``: a forward pass over ``num_new`` tokens of each row."""
         input_ids, positions, common, cu = self._flatten(rows, num_computed, num_new)
-        return FlatInputs(
-            input_ids, positions, self.metadata_builder.build(common), self._tensor(cu - 1, torch.int64)
-        )
+        return FlatInputs(input_ids, positions, common, self._tensor(cu - 1, torch.int64))
 
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
