@@ -108,11 +108,11 @@ def _lookup_bounds(lookup_min: Any, lookup_max: Any) -> tuple[int, int]:
     """vLLM's defaults: both 5 when neither is given, else the one given for the other."""
     if lookup_min is None and lookup_max is None:
         return 5, 5
+    for key, value in (("prompt_lookup_min", lookup_min), ("prompt_lookup_max", lookup_max)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"speculative_config[{key!r}] must be a positive integer, got {value!r}")
     lookup_min = lookup_max if lookup_min is None else lookup_min
     lookup_max = lookup_min if lookup_max is None else lookup_max
-    for key, value in (("prompt_lookup_min", lookup_min), ("prompt_lookup_max", lookup_max)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"speculative_config[{key!r}] must be a positive integer, got {value!r}")
     if lookup_min > lookup_max:
         raise ValueError(
             f"speculative_config['prompt_lookup_min'] ({lookup_min}) must be <= "
