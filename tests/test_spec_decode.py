@@ -143,6 +143,7 @@ def test_logprobs_of_accepted_tokens_match_non_speculative(tiny, prompts):
                 assert abs(lx[t] - ly[t]) < 1e-4
 
 
+@pytest.mark.slow
 def test_random_path_keeps_the_target_distribution(tmp_path):
     """First two tokens, a mismatched draft, 50k samples: TV to the exact target joint < 0.02."""
     from transformers import AutoModelForCausalLM
