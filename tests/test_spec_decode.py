@@ -207,3 +207,46 @@ def test_ngram_defaults_follow_vllm():
     assert (spec.prompt_lookup_min, spec.prompt_lookup_max) == (5, 5)
     spec = EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}).speculative
     assert (spec.prompt_lookup_min, spec.prompt_lookup_max) == (3, 3)
+
+
+DEFAULT_TEXTS = [
+    "Repeat after me: the quick brown fox jumps over the lazy dog. The quick brown fox",
+    "List the numbers: 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,",
+    "The history of the Roman Empire",
+    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):",
+    "Photosynthesis is the process by which",
+    "Copy: red green blue, red green blue, red green blue,",
+    "A good recipe for pancakes needs",
+    "The tallest mountain in the world",
+]
+DEFAULT_ENGINES = {
+    "plain": {"num_kv_blocks": 256},
+    "chunked": {"num_kv_blocks": 256, "max_num_batched_tokens": 32},
+    "preempting": {"num_kv_blocks": 16},
+}
+DEFAULT_GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def default_reference(default_tokenizer) -> tuple[list[dict], list[list[int]]]:
+    prompts = [{"prompt_token_ids": default_tokenizer.encode(t)} for t in DEFAULT_TEXTS]
+    llm = LLM(num_kv_blocks=256, max_model_len=256)
+    return prompts, _generate(llm, prompts, DEFAULT_GREEDY)
+
+
+@pytest.mark.parametrize("engine", list(DEFAULT_ENGINES))
+@pytest.mark.parametrize("method", ["ngram", "self-draft"])
+def test_default_model_greedy_equals_non_speculative(default_model_dir, default_reference, method, engine):
+    prompts, reference = default_reference
+    spec = {"method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    if method == "self-draft":
+        spec = {"method": "draft_model", "model": default_model_dir}
+    spec |= {"num_speculative_tokens": 3, "disable_by_batch_size": 0}
+    llm = LLM(max_model_len=256, speculative_config=spec, **DEFAULT_ENGINES[engine])
+    assert _generate(llm, prompts, DEFAULT_GREEDY) == reference
+    stats = llm.get_stats()
+    assert stats["spec_num_accepted_tokens"] > 0
+    if engine == "preempting":
+        assert stats["num_preemptions"] > 0
+    if method == "self-draft":
+        assert stats["spec_num_accepted_tokens"] == stats["spec_num_draft_tokens"]
