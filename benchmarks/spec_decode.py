@@ -41,9 +41,9 @@ PASSAGES = [
 
 CONFIGS = {
     "none": None,
-    "ngram k=4": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
+    "ngram-k4": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
                   "prompt_lookup_max": 4, "disable_by_batch_size": 0},
-    "ngram k=4, default cut-off": {"method": "ngram", "num_speculative_tokens": 4,
+    "ngram-k4-default-cutoff": {"method": "ngram", "num_speculative_tokens": 4,
                                    "prompt_lookup_min": 2, "prompt_lookup_max": 4},
 }
 

@@ -10,6 +10,8 @@ sampler verifies exactly for greedy and random requests alike.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 from torch import nn
@@ -19,6 +21,10 @@ from tokenmill.interfaces.proposer import FlatInputs, Proposal, ProposalBatch, P
 from tokenmill.layers.attention import Attention
 from tokenmill.layers.build_context import BuildContext
 from tokenmill.model_loader.loader import load_model
+from tokenmill.speculative_config import SpeculativeConfig
+
+if TYPE_CHECKING:
+    from tokenmill.config import EngineConfig
 
 LAYER_PREFIX = "draft."
 
@@ -26,7 +32,7 @@ LAYER_PREFIX = "draft."
 class DraftModelProposer(Proposer):
     uses_target_step = True
 
-    def __init__(self, spec, config, device) -> None:
+    def __init__(self, spec: SpeculativeConfig, config: EngineConfig, device: torch.device) -> None:
         super().__init__(spec, config, device)
         self.num_lookahead_tokens = spec.num_speculative_tokens
         self.model: nn.Module | None = None

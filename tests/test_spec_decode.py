@@ -127,6 +127,18 @@ def test_stop_token_inside_accepted_run_ends_there(tiny, prompts, reference):
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
 
 
+def test_allowed_tokens_and_logit_bias_apply_at_verified_positions(tiny, prompts):
+    allowed = list(range(0, 256, 3))
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, allowed_token_ids=allowed, logit_bias={7: 4.0})
+    ref = LLM(model=tiny["target"], num_kv_blocks=64, max_model_len=256)
+    spec = LLM(model=tiny["target"], num_kv_blocks=64, max_model_len=256,
+               speculative_config={"model": tiny["target"], "num_speculative_tokens": 3})
+    expected = _generate(ref, prompts[:3], params)
+    assert all(t in allowed for out in expected for t in out)
+    assert _generate(spec, prompts[:3], params) == expected
+    assert spec.get_stats()["spec_num_drafts"] > 0
+
+
 def test_logprobs_of_accepted_tokens_match_non_speculative(tiny, prompts):
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
     ref = LLM(model=tiny["target"], num_kv_blocks=64, max_model_len=256)

@@ -99,15 +99,7 @@ class Sampler(nn.Module):
     """Samples one token per row of ``logits`` (see the module docstring for the order)."""
 
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
-        logits = logits.to(torch.float32)
-        if metadata.disallowed_mask is not None:
-            logits = logits.masked_fill(metadata.disallowed_mask, float("-inf"))
-        logits = apply_suppression(logits, metadata.suppress_token_ids)
-        if metadata.logit_bias is not None:
-            rows, token_ids, biases = metadata.logit_bias
-            logits = logits.index_put((rows, token_ids), biases, accumulate=True)
-        if metadata.penalties is not None:
-            logits = apply_penalties(logits, metadata.penalties)
+        logits = process_logits(logits, metadata)
         raw_logprobs = logits.log_softmax(dim=-1) if metadata.max_num_logprobs is not None else None
         if metadata.all_greedy:
             # Same first-index tie rule as argmax, and several times faster on the CPU.
@@ -118,6 +110,21 @@ class Sampler(nn.Module):
             return SamplerOutput(sampled)
         token_ids, logprobs = gather_logprobs(raw_logprobs, sampled, metadata.max_num_logprobs)
         return SamplerOutput(sampled, token_ids, logprobs)
+
+
+def process_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """Step 1 of the module docstring: float32 logits with ``allowed_token_ids``, suppressed
+    tokens, ``logit_bias`` and penalties applied (a new tensor)."""
+    logits = logits.to(torch.float32)
+    if metadata.disallowed_mask is not None:
+        logits = logits.masked_fill(metadata.disallowed_mask, float("-inf"))
+    logits = apply_suppression(logits, metadata.suppress_token_ids)
+    if metadata.logit_bias is not None:
+        rows, token_ids, biases = metadata.logit_bias
+        logits = logits.index_put((rows, token_ids), biases, accumulate=True)
+    if metadata.penalties is not None:
+        logits = apply_penalties(logits, metadata.penalties)
+    return logits
 
 
 def apply_suppression(logits: torch.Tensor, suppress_token_ids: dict[int, list[int]]) -> torch.Tensor:

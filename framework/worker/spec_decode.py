@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from tokenmill.interfaces.proposer import ProposalBatch, Proposer, TargetStep
+from tokenmill.sample.sampler import process_logits
 from tokenmill.sampling_params import GREEDY_TEMPERATURE_EPS
 
 if TYPE_CHECKING:
@@ -58,7 +59,7 @@ def verify(
         if batch.requests[req_ids[i]].generator is not None and not greedy[j]
     }
     out = rejection_sample(
-        logits.to(torch.float32),
+        process_logits(logits, metadata),
         metadata,
         runner._tensor(drafts, torch.int64),
         runner._tensor(num_draft, torch.int64),
