@@ -7,9 +7,11 @@ from dataclasses import dataclass
 from typing import Any
 
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8
-"""Running requests from which a step does not speculate, when the config does not say: at
-32 concurrent requests the verification of drafts costs more than it saves on the CPU
-(``benchmarks/spec_decode.py``)."""
+"""Running requests from which a step does not speculate, when the config does not say.
+
+A first estimate, not yet measured: from a few requests on, a CPU step is bound by compute, and
+verifying ``k + 1`` tokens per request multiplies it. ``benchmarks/spec_decode.py --workload
+concurrent`` compares speculation at any batch size, with this cut-off and without it."""
 
 MODEL_METHODS = ("draft_model", "eagle", "eagle3", "mtp")
 """Methods that run a model of their own, named by the ``model`` key."""
