@@ -262,3 +262,15 @@ def test_default_model_greedy_equals_non_speculative(default_model_dir, default_
         assert stats["num_preemptions"] > 0
     if method == "self-draft":
         assert stats["spec_num_accepted_tokens"] == stats["spec_num_draft_tokens"]
+
+
+def test_cli_speculative_config_is_a_json_object(capsys):
+    from tokenmill import cli
+
+    parser = cli.build_parser()
+    args = parser.parse_args(["generate", "hi", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'])
+    assert cli.engine_kwargs(args)["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 2}
+    for bad in ("{bad", "[1, 2]"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["generate", "hi", "--speculative-config", bad])
+    assert "--speculative-config" in capsys.readouterr().err
