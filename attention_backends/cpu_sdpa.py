@@ -8,7 +8,9 @@ the reference backend, all about moving fewer bytes:
 - a prefill chunk with no cached prefix attends over its own K/V with ``is_causal``, reading
   nothing back from the cache; SDPA gets 4-D ``[1, heads, tokens, head_size]`` inputs, which
   take its fused CPU kernel (3-D ones take a path several times slower);
-- decode tokens (float32) go to a C kernel (``tokenmill.ops.cpu``) that reads each request's
+- decode tokens, and each token of a short query (up to ``MAX_DECODE_QUERY_LEN``: speculative
+  decoding's verification, a short prompt or last prefill chunk) as a decode row of its own
+  with its own sequence length, (float32) go to a C kernel (``tokenmill.ops.cpu``) that reads each request's
   context straight from its blocks, once; without a C compiler they run as one batched SDPA call
   with the query heads of each KV group folded into the query-length axis, so grouped-query
   attention needs no K/V expansion;
@@ -40,6 +42,10 @@ from tokenmill.interfaces.attention import (
 from tokenmill.ops import cpu as cpu_ops
 
 
+MAX_DECODE_QUERY_LEN = 8
+"""Queries up to this long run as decode rows, one per token."""
+
+
 @dataclass
 class PrefillChunk:
     token_start: int
@@ -50,7 +56,7 @@ class PrefillChunk:
 
 @dataclass
 class DecodeBatch:
-    token_idx: torch.Tensor  # [B] rows of the single-token requests
+    token_idx: torch.Tensor  # [B] token rows attended as single-token queries
     block_ids: torch.Tensor  # [B, max_blocks] int64
     seq_lens: torch.Tensor  # [B] int64
     max_len: int
@@ -85,12 +91,17 @@ def _make_plan(common: CommonAttentionMetadata, bs: int, window: int | None) -> 
     qsl = common.query_start_loc_cpu.tolist()
     seq_lens = common.seq_lens_cpu.tolist()
     query_lens = [qsl[i + 1] - qsl[i] for i in range(common.num_reqs)]
-    decode_rows = [i for i, n in enumerate(query_lens) if n == 1]
+    decode_rows: list[int] = []
+    decode_tokens: list[int] = []
+    decode_lens: list[int] = []
     prefills = []
     for i, q_len in enumerate(query_lens):
-        if q_len == 1:
-            continue
         seq_len = seq_lens[i]
+        if q_len <= MAX_DECODE_QUERY_LEN:
+            decode_rows += [i] * q_len
+            decode_tokens += range(qsl[i], qsl[i + 1])
+            decode_lens += range(seq_len - q_len + 1, seq_len + 1)
+            continue
         q_pos = torch.arange(seq_len - q_len, seq_len, device=device)
         if seq_len == q_len:
             mask = None
@@ -112,8 +123,8 @@ def _make_plan(common: CommonAttentionMetadata, bs: int, window: int | None) -> 
     decode = None
     if decode_rows:
         rows = torch.tensor(decode_rows, device=device)
-        lens = common.seq_lens[rows].long()
-        max_len = max(seq_lens[i] for i in decode_rows)
+        lens = torch.tensor(decode_lens, dtype=torch.int64, device=device)
+        max_len = max(decode_lens)
         num_blocks = -(-max_len // bs)
         block_ids = common.block_table[rows, :num_blocks].long()
         block_pos = torch.arange(num_blocks, device=device)
@@ -121,7 +132,8 @@ def _make_plan(common: CommonAttentionMetadata, bs: int, window: int | None) -> 
         block_ids = torch.where(valid_blocks, block_ids, block_ids[:, :1])
         pos = torch.arange(num_blocks * bs, device=device)
         mask = causal_mask(lens - 1, pos, window)[:, None, None, :]
-        decode = DecodeBatch(common.query_start_loc[rows].long(), block_ids, lens, max_len, mask)
+        token_idx = torch.tensor(decode_tokens, dtype=torch.int64, device=device)
+        decode = DecodeBatch(token_idx, block_ids, lens, max_len, mask)
     return StepPlan(decode, prefills)
 
 

@@ -47,9 +47,20 @@ class ArgumentParser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
 
-def _flag_type(hint: Any) -> tuple[type, tuple[Any, ...] | None] | None:
+def json_object(text: str) -> dict[str, Any]:
+    """A flag value given as a JSON object (``--speculative-config '{"method": "ngram"}'``)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
+def _flag_type(hint: Any) -> tuple[Any, tuple[Any, ...] | None] | None:
     """The value type and choices of a flag for a field annotated ``hint``: a scalar, optional
-    or not, or a ``Literal``; None for anything else (no flag)."""
+    or not, a ``Literal``, or a dict given as a JSON object; None for anything else (no flag)."""
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(hint) if a is not type(None)]
         if len(args) != 1:
@@ -58,6 +69,8 @@ def _flag_type(hint: Any) -> tuple[type, tuple[Any, ...] | None] | None:
     if typing.get_origin(hint) is typing.Literal:
         choices = typing.get_args(hint)
         return type(choices[0]), choices
+    if typing.get_origin(hint) is dict:
+        return json_object, None
     return (hint, None) if hint in (str, int, float, bool) else None
 
 

@@ -17,6 +17,7 @@ from tokenmill.engine_args import (
 )
 from tokenmill.interfaces.platform import Platform
 from tokenmill.logprobs import LOGPROBS_MODES
+from tokenmill.speculative_config import SpeculativeConfig
 
 DTYPES = {
     "float32": torch.float32,
@@ -33,8 +34,7 @@ class EngineConfig(EngineArgs):
     ``finalize()`` fills the derived fields (model path, HF config, platform, torch dtype,
     lengths).
 
-    Settings whose feature has not landed (speculative decoding, quantization without a
-    registered method, an FP8 KV cache, tensor/pipeline/data parallelism) raise
+    Settings whose feature has not landed (quantization without a registered method, an FP8 KV cache, tensor/pipeline/data parallelism) raise
     ``ValueError`` rather than being ignored; so does ``gpu_memory_utilization`` (None: 0.9
     on GPUs) on a CPU platform.
     """
@@ -43,6 +43,8 @@ class EngineConfig(EngineArgs):
     hf_config: Any = field(init=False, default=None)
     platform_cls: type[Platform] = field(init=False, default=Platform)
     torch_dtype: torch.dtype = field(init=False, default=torch.float32)
+    speculative: SpeculativeConfig | None = field(init=False, default=None)
+    draft_hf_config: Any = field(init=False, default=None)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
@@ -81,12 +83,13 @@ class EngineConfig(EngineArgs):
             raise ValueError(
                 f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}"
             )
+        if self.speculative_config is not None:
+            self.speculative = SpeculativeConfig.from_dict(self.speculative_config)
         self._refuse_missing_features()
 
     def _refuse_missing_features(self) -> None:
         defaults = {f.name: f.default for f in fields(self)}
         for feature, name, wanted in (
-            ("speculative decoding", "speculative_config", self.speculative_config is not None),
             ("an FP8 KV cache", "kv_cache_dtype", self.kv_cache_dtype != "auto"),
             ("tensor parallelism", "tensor_parallel_size", self.tensor_parallel_size > 1),
             ("pipeline parallelism", "pipeline_parallel_size", self.pipeline_parallel_size > 1),
@@ -115,6 +118,8 @@ class EngineConfig(EngineArgs):
         self.platform_cls = select_platform(self.platform)
         self.torch_dtype = self._resolve_dtype()
         self._check_quantization()
+        if self.speculative is not None:
+            self._check_speculative(self.speculative)
         if self.gpu_memory_utilization is not None and self.platform_cls.device_type == "cpu":
             raise ValueError(
                 f"gpu_memory_utilization applies to GPU platforms only; platform "
@@ -141,6 +146,29 @@ class EngineConfig(EngineArgs):
             )
         self.platform_cls.check_and_update_config(self)
         return self
+
+    def _check_speculative(self, spec: SpeculativeConfig) -> None:
+        """The method must be a registered proposer; a draft model must share the target's
+        vocabulary."""
+        from tokenmill import plugins
+        from tokenmill.model_loader.loader import load_hf_config
+
+        registry = plugins.get_registry("proposers")
+        if spec.method not in registry:
+            raise ValueError(
+                f"speculative_config['method'] {spec.method!r} is not a registered proposer "
+                f"(eagle, eagle3 and mtp are not implemented yet); registered: "
+                f"{', '.join(registry.names()) or 'none'}{registry.filter_suffix()}"
+            )
+        if spec.model is not None:
+            self.draft_hf_config = load_hf_config(spec.model)
+            draft_vocab = self.draft_hf_config.vocab_size
+            if draft_vocab != self.hf_config.vocab_size:
+                raise ValueError(
+                    f"speculative_config['model'] {spec.model!r} has a vocabulary of "
+                    f"{draft_vocab} tokens, the target {self.hf_config.vocab_size}: a draft "
+                    f"model must share the target's tokenizer"
+                )
 
     def _check_quantization(self) -> None:
         """Take the checkpoint's ``quant_method`` when ``quantization`` is None, then refuse a

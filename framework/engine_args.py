@@ -78,7 +78,10 @@ class EngineArgs:
         "auto", "KV-cache dtype: auto (the model's); fp8 is not implemented yet"
     )
     speculative_config: dict[str, Any] | None = _arg(
-        None, "speculative decoding settings (not implemented yet)"
+        None,
+        "speculative decoding, as a JSON object with vLLM's keys: method (ngram, draft_model or "
+        "a plugin's), num_speculative_tokens, model, prompt_lookup_min, prompt_lookup_max, "
+        "disable_by_batch_size",
     )
     tensor_parallel_size: int = _arg(
         1, "tensor-parallel ranks (above 1: not implemented yet)", flags=("-tp",)

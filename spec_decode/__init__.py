@@ -3,3 +3,11 @@
 Proposers implement ``tokenmill.interfaces.Proposer`` and are registered through the
 ``register_proposers`` hook of a ``tokenmill.plugins`` entry point.
 """
+
+from tokenmill.plugins import hookimpl
+
+
+@hookimpl
+def register_proposers(register):
+    register("ngram", "tokenmill.spec_decode.ngram:NgramProposer")
+    register("draft_model", "tokenmill.spec_decode.draft_model:DraftModelProposer")

@@ -34,6 +34,7 @@ PARTS = {
     "attention_backends": "example-hnd",
     "models": "GPT2LMHeadModel",
     "commands": "example-hello",
+    "proposers": "corpus-lookup",
 }
 ENV_VARS = (
     "TOKENMILL_PLUGINS",
@@ -283,6 +284,24 @@ def test_platform_swaps_in_its_rms_norm(installed, tmp_path):
     assert ops.CALLS["rms_norm"] >= 5 * 8, ops.CALLS
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     assert_greedy_close(out.token_ids, out.logprobs, *hf_greedy(hf, prompt, 8))
+
+
+def test_corpus_lookup_proposer_used_by_name(installed, tmp_path):
+    """The plugin's proposer, named in ``speculative_config``, drafts from the corpus; greedy
+    outputs are the non-speculative ones and the corpus continuation is accepted."""
+    target = make_tiny_checkpoint(tmp_path / "tiny")
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompt = {"prompt_token_ids": [5, 6, 7, 8]}
+    reference = LLM(model=target, num_kv_blocks=32).generate([prompt], params, use_tqdm=False)[0]
+    corpus = [prompt["prompt_token_ids"] + reference.outputs[0].token_ids]
+    spec = {"method": "corpus-lookup", "num_speculative_tokens": 4, "corpus_token_ids": corpus}
+    llm = LLM(model=target, num_kv_blocks=32, speculative_config=spec)
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == reference.outputs[0].token_ids
+    stats = llm.get_stats()
+    assert stats["spec_num_accepted_tokens"] == stats["spec_num_draft_tokens"] > 0
+    with pytest.raises(ValueError, match=r"unknown speculative_config key\(s\) for 'corpus-lookup': colour"):
+        LLM(model=target, num_kv_blocks=32, speculative_config={**spec, "colour": 1})
 
 
 def test_uninstall_removes_parts(installed):

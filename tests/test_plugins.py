@@ -376,7 +376,7 @@ def test_misspelled_tokenmill_plugins_names_the_unknown_and_installed_plugins(si
     site.mp.setenv("TOKENMILL_PLUGINS", "platfroms, models")
     message = (
         "TOKENMILL_PLUGINS names unknown plugin(s) 'platfroms'; "
-        "installed plugins: attention_backends, commands, models, platforms"
+        "installed plugins: attention_backends, commands, models, platforms, spec_decode"
     )
     with pytest.raises(ValueError) as err:
         plugins.reload_plugins()
@@ -387,7 +387,8 @@ def test_misspelled_tokenmill_plugins_names_the_unknown_and_installed_plugins(si
 
 
 FILTERED = (
-    "(TOKENMILL_PLUGINS='models' excluded the plugin(s) attention_backends, commands, platforms)"
+    "(TOKENMILL_PLUGINS='models' excluded the plugin(s) attention_backends, commands, platforms, "
+    "spec_decode)"
 )
 EXCLUDED_BY_FILTER = {
     "auto": (RuntimeError, lambda model: select_platform(), "no available platform among none"),

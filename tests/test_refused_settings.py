@@ -38,7 +38,6 @@ class FakeQuant:
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"speculative_config": {"method": "ngram"}}, r"speculative decoding is not implemented yet \(speculative_config=\{'method': 'ngram'\}\)"),
         ({"kv_cache_dtype": "fp8"}, r"an FP8 KV cache is not implemented yet \(kv_cache_dtype='fp8'\)"),
         ({"kv_cache_dtype": "fp8_e4m3"}, r"an FP8 KV cache is not implemented yet \(kv_cache_dtype='fp8_e4m3'\)"),
         ({"kv_cache_dtype": "fp8_e5m2"}, r"an FP8 KV cache is not implemented yet \(kv_cache_dtype='fp8_e5m2'\)"),

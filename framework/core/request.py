@@ -59,6 +59,8 @@ class Request:
     num_preemptions: int = 0
     stop_reason: int | str | None = None
     output_token_ids: list[int] = field(default_factory=list)
+    spec_token_ids: list[int] = field(default_factory=list)
+    """Draft tokens to verify in the request's next step (speculative decoding)."""
     all_token_ids: list[int] = field(init=False)
     block_hashes: list[bytes] = field(default_factory=list)
     block_hasher: Callable[[Request], None] | None = None
@@ -75,6 +77,10 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        return len(self.all_token_ids) + len(self.spec_token_ids)
 
     @property
     def num_output_tokens(self) -> int:

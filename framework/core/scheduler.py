@@ -6,6 +6,12 @@ rest of a prompt after a prefix-cache hit. Running requests go first; when the K
 the most recently arrived running request (or the lowest priority one) is preempted by
 recompute. Waiting requests are admitted while budget, sequence slots and blocks (above the
 watermark) remain.
+
+With speculative decoding a running request's target is ``num_tokens_with_spec``: its draft
+tokens join the step's budget, and its blocks include ``num_lookahead_tokens`` more slots for
+the proposer's own cache writes. Drafts the target rejects roll ``num_computed_tokens`` back.
+Blocks are indexed in the prefix cache only over verified tokens (``block_hashes`` covers
+``all_token_ids``, never drafts).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.request_queue import make_queue
 from tokenmill.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from tokenmill.core.spec_decode_stats import SpecDecodingStats
 from tokenmill.logprobs import LogprobsLists
 
 
@@ -28,6 +35,10 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
     policy: str = "fcfs"
+    num_speculative_tokens: int = 0
+    num_lookahead_tokens: int = 0
+    disable_by_batch_size: int = 0
+    """Steps with at least this many running requests do not speculate; 0: never disabled."""
 
     def __post_init__(self) -> None:
         if self.long_prefill_token_threshold > 0 and not self.enable_chunked_prefill:
@@ -60,6 +71,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()
         self.num_preemptions = 0
+        self.spec_stats = SpecDecodingStats(config.num_speculative_tokens)
 
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
@@ -76,6 +88,8 @@ class Scheduler:
         budget = cfg.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         new_block_ids: dict[str, list[int]] = {}
+        spec_tokens: dict[str, list[int]] = {}
+        lookahead = cfg.num_lookahead_tokens
         preempted: set[str] = set()
 
         i = 0
@@ -85,7 +99,7 @@ class Scheduler:
             if num_new == 0:
                 i += 1
                 continue
-            new_blocks = self.kv.allocate_slots(req, num_new)
+            new_blocks = self.kv.allocate_slots(req, num_new, num_lookahead_tokens=lookahead)
             while new_blocks is None:
                 victim = self._pick_victim()
                 if self.running.index(victim) < i:
@@ -95,13 +109,18 @@ class Scheduler:
                 preempted.add(victim.request_id)
                 budget += num_scheduled.pop(victim.request_id, 0)
                 new_block_ids.pop(victim.request_id, None)
+                spec_tokens.pop(victim.request_id, None)
                 if victim is req:
                     break
-                new_blocks = self.kv.allocate_slots(req, num_new)
+                new_blocks = self.kv.allocate_slots(req, num_new, num_lookahead_tokens=lookahead)
             if new_blocks is None:
                 break
             num_scheduled[req.request_id] = num_new
             new_block_ids[req.request_id] = [b.block_id for b in new_blocks]
+            num_spec = req.num_computed_tokens + num_new - req.num_tokens
+            if num_spec > 0:
+                spec_tokens[req.request_id] = req.spec_token_ids[:num_spec]
+            req.spec_token_ids = []
             budget -= num_new
             i += 1
 
@@ -124,12 +143,15 @@ class Scheduler:
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             preempted_req_ids=preempted,
             finished_req_ids=self.finished_req_ids,
+            scheduled_spec_decode_tokens=spec_tokens,
+            speculate=cfg.num_speculative_tokens > 0
+            and not 0 < cfg.disable_by_batch_size <= len(self.running),
         )
         self.finished_req_ids = set()
         return out
 
     def _num_new_tokens(self, req: Request, num_computed: int, budget: int) -> int:
-        num_new = req.num_tokens - num_computed
+        num_new = req.num_tokens_with_spec - num_computed
         if self.config.long_prefill_token_threshold > 0:
             num_new = min(num_new, self.config.long_prefill_token_threshold)
         return max(0, min(num_new, budget, self.config.max_model_len - num_computed))
@@ -156,7 +178,14 @@ class Scheduler:
             if num_new < full and not cfg.enable_chunked_prefill:
                 break
             admit = req.status == RequestStatus.WAITING and bool(self.running)
-            new_blocks = self.kv.allocate_slots(req, num_new, num_hit_tokens, hits, admit=admit)
+            new_blocks = self.kv.allocate_slots(
+                req,
+                num_new,
+                num_hit_tokens,
+                hits,
+                num_lookahead_tokens=cfg.num_lookahead_tokens,
+                admit=admit,
+            )
             if new_blocks is None:
                 break
             self.kv.record_prefix_query(req, num_hit_tokens)
@@ -196,6 +225,7 @@ class Scheduler:
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        req.spec_token_ids = []
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.prepend(req)
@@ -206,14 +236,21 @@ class Scheduler:
         sampled: dict[str, list[int]],
         logprobs: dict[str, LogprobsLists] | None = None,
         prompt_logprobs: dict[str, LogprobsLists] | None = None,
+        spec_token_ids: dict[str, list[int]] | None = None,
     ) -> list[EngineCoreOutput]:
-        """Append each request's sampled tokens, check stop conditions, free what finished."""
+        """Append each request's sampled tokens (accepted drafts, then the target's token),
+        roll rejected drafts back, check stop conditions (a stop inside an accepted run ends
+        the request there), free what finished, and keep each request's new drafts."""
         outputs = []
         for req_id in scheduler_output.num_scheduled_tokens:
             req = self.requests.get(req_id)
             if req is None or req.is_finished():
                 continue
             new_ids = sampled.get(req_id, [])
+            verified = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
+            if verified and new_ids:
+                req.num_computed_tokens -= len(verified) + 1 - len(new_ids)
+                self.spec_stats.observe(len(verified), len(new_ids) - 1)
             kept: list[int] = []
             for tok in new_ids:
                 kept.append(tok)
@@ -236,6 +273,12 @@ class Scheduler:
             )
             if req.is_finished():
                 self._finish(req)
+            elif spec_token_ids and req_id in spec_token_ids:
+                limit = min(
+                    req.max_tokens - req.num_output_tokens,
+                    self.config.max_model_len - req.num_tokens,
+                ) - 1
+                req.spec_token_ids = spec_token_ids[req_id][: max(limit, 0)]
         return outputs
 
     def _check_stop(self, req: Request, token: int) -> bool:

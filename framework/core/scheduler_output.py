@@ -38,6 +38,11 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     preempted_req_ids: set[str] = field(default_factory=set)
     finished_req_ids: set[str] = field(default_factory=set)
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    """Draft tokens scheduled for verification, per request; they are the last of the
+    request's ``num_scheduled_tokens``."""
+    speculate: bool = False
+    """Whether the workers propose drafts after this step (see ``disable_by_batch_size``)."""
 
     @property
     def is_empty(self) -> bool:

@@ -76,6 +76,8 @@ class EngineCore:
             config.enable_prefix_caching,
             config.watermark,
         )
+        spec = config.speculative
+        proposer = self.executor.worker.model_runner.proposer
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
@@ -84,6 +86,9 @@ class EngineCore:
                 enable_chunked_prefill=config.enable_chunked_prefill,
                 long_prefill_token_threshold=config.long_prefill_token_threshold,
                 policy=config.scheduling_policy,
+                num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
+                num_lookahead_tokens=proposer.num_lookahead_tokens if proposer else 0,
+                disable_by_batch_size=spec.disable_by_batch_size if spec else 0,
             ),
             self.kv_cache_manager,
         )
@@ -162,13 +167,16 @@ class EngineCore:
             model_output.sampled_token_ids,
             model_output.logprobs,
             model_output.prompt_logprobs,
+            model_output.spec_token_ids,
         )
         return EngineCoreOutputs(outputs, list(scheduler_output.num_scheduled_tokens), start)
 
     def get_stats(self) -> dict[str, int]:
-        """Scheduler and KV-cache counters."""
+        """Scheduler and KV-cache counters, and speculative decoding's when it is on."""
         kv = self.kv_cache_manager
+        spec = self.scheduler.spec_stats.as_dict() if self.config.speculative else {}
         return {
+            **spec,
             "num_running_requests": len(self.scheduler.running),
             "num_waiting_requests": len(self.scheduler.waiting),
             "num_preemptions": self.scheduler.num_preemptions,

@@ -10,7 +10,7 @@ from tokenmill.interfaces.attention import (
 from tokenmill.interfaces.kv_cache_spec import FullAttentionSpec, KVCacheSpec, MLAAttentionSpec
 from tokenmill.interfaces.model import CausalLM, ModelRegistry
 from tokenmill.interfaces.platform import Platform
-from tokenmill.interfaces.proposer import Proposal, ProposalBatch, Proposer
+from tokenmill.interfaces.proposer import FlatInputs, Proposal, ProposalBatch, Proposer, TargetStep
 from tokenmill.interfaces.quantization import LinearMethod, QuantizationMethod
 
 __all__ = [
@@ -20,6 +20,7 @@ __all__ = [
     "AttentionMetadataBuilder",
     "CausalLM",
     "CommonAttentionMetadata",
+    "FlatInputs",
     "FullAttentionSpec",
     "KVCacheSpec",
     "LinearMethod",
@@ -30,4 +31,5 @@ __all__ = [
     "ProposalBatch",
     "Proposer",
     "QuantizationMethod",
+    "TargetStep",
 ]

@@ -1,38 +1,139 @@
-"""The speculative-decoding proposer interface."""
+"""The speculative-decoding proposer interface.
+
+After each target step the model runner asks the proposer for draft tokens of the requests that
+just sampled. Nothing is copied per step: a proposer reads the persistent ``InputBatch`` arrays
+(``token_ids[row, :num_tokens[row]]`` holds a request's prompt and accepted outputs, its new
+token included). Model-based proposers also get the step itself (``TargetStep``): the target's
+hidden states of every scheduled token and where each request's verified tokens lie, and can
+run their own model through ``TargetStep.prepare`` over the same block tables.
+"""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from torch import nn
+
+from tokenmill.interfaces.attention import CommonAttentionMetadata
+
+if TYPE_CHECKING:
+    from tokenmill.config import EngineConfig
+    from tokenmill.layers.attention import Attention
+    from tokenmill.layers.build_context import BuildContext
+    from tokenmill.speculative_config import SpeculativeConfig
+    from tokenmill.worker.input_batch import InputBatch
+
+
+@dataclass
+class FlatInputs:
+    """One flattened forward pass: what ``TargetStep.prepare`` builds for a proposer's model.
+
+    Attributes:
+        input_ids: ``[T]`` int64 token ids, request by request.
+        positions: ``[T]`` int64.
+        common: the backend-independent attention metadata; the proposer builds its layers'
+            metadata from it with its own builder.
+        last_token_index: ``[R]`` int64 index of each request's last token in the ``T``.
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    common: CommonAttentionMetadata
+    last_token_index: torch.Tensor
+
+
+@dataclass
+class TargetStep:
+    """The target step a model-based proposer continues from.
+
+    Attributes:
+        rows: ``[S]`` ``InputBatch`` rows of every request scheduled this step, in step order.
+        start_positions: ``[S]`` position of each request's first scheduled token.
+        query_start_loc: ``[S + 1]`` where each request's tokens lie in ``hidden_states``.
+        hidden_states: ``[T, hidden]`` the target's last-layer states of the step's tokens.
+        prepare: ``prepare(rows, num_computed, num_new)`` flattens ``num_new`` tokens of each
+            row read from ``InputBatch.token_ids`` from position ``num_computed`` on, with the
+            rows' block tables, into a ``FlatInputs``.
+
+    The verified tokens of row ``rows[s]`` are positions ``start_positions[s]`` up to
+    ``InputBatch.num_computed_tokens[rows[s]]`` (drafts the target rejected are excluded);
+    a row that sampled has its new token, not yet in any cache, at ``num_tokens - 1``.
+    """
+
+    rows: np.ndarray
+    start_positions: np.ndarray
+    query_start_loc: np.ndarray
+    hidden_states: torch.Tensor
+    prepare: Callable[[np.ndarray, np.ndarray, np.ndarray], FlatInputs]
 
 
 @dataclass
 class ProposalBatch:
-    """What a proposer sees of the running batch after a step."""
+    """What a proposer sees after a step.
+
+    Attributes:
+        req_ids: the requests to draft for (they sampled this step and may speculate); may be
+            empty, when the step does not speculate, so that a model-based proposer can keep
+            its caches in step with the target.
+        rows: ``[R]`` their ``InputBatch`` rows.
+        input_batch: the persistent per-request arrays (read, never written).
+        num_speculative_tokens: the most draft tokens to propose per request (k).
+        step: the target step, for model-based proposers (None for ``uses_target_step=False``).
+    """
 
     req_ids: list[str]
-    token_ids: list[list[int]]  # each request's prompt + accepted output so far
+    rows: np.ndarray
+    input_batch: InputBatch
     num_speculative_tokens: int
-    hidden_states: torch.Tensor | None = None  # last-layer states of the sampled positions
+    step: TargetStep | None = None
 
 
 @dataclass
 class Proposal:
-    draft_token_ids: list[list[int]]
-    draft_probs: torch.Tensor | None = None  # [num_reqs, k, vocab] where the method has them
+    """Draft tokens per request of the batch.
+
+    Attributes:
+        draft_token_ids: ``[R, k]`` int64; row ``r`` holds ``num_draft_tokens[r]`` drafts.
+        num_draft_tokens: ``[R]`` int64 (0: no draft for that request).
+        draft_probs: ``[R, k, V]`` the draft distributions the tokens were drawn from, or None
+            for deterministic drafts (the rejection sampler then uses a one-hot ``q``).
+    """
+
+    draft_token_ids: np.ndarray
+    num_draft_tokens: np.ndarray
+    draft_probs: torch.Tensor | None = None
 
 
 class Proposer(ABC):
-    """Drafts tokens for each running request; the target model verifies them in one step."""
+    """Drafts tokens for running requests; the target model verifies them in its next step.
 
-    def __init__(self, config: dict) -> None:
+    Built with the checked ``SpeculativeConfig``, the engine's config and the worker's device.
+    """
+
+    uses_target_step: bool = False
+    """True for proposers that need ``ProposalBatch.step`` (their own model, hidden states)."""
+
+    num_lookahead_tokens: int = 0
+    """KV slots past the scheduled tokens each request needs for this proposer's own cache
+    writes in the same step (a draft model writing its k - 1 draft positions)."""
+
+    def __init__(self, spec: SpeculativeConfig, config: EngineConfig, device: torch.device) -> None:
+        self.spec = spec
         self.config = config
+        self.device = device
 
-    def load_model(self, target: nn.Module) -> None:
+    def load_model(self, target: nn.Module, build_ctx: BuildContext) -> None:
         """Load or attach the draft model (a no-op for model-free methods)."""
+
+    def attention_layers(self) -> dict[str, Attention]:
+        """The proposer's own attention layers, whose KV caches the runner allocates next to
+        the target's (same blocks, same block tables); names must not clash with the target's."""
+        return {}
 
     @abstractmethod
     def propose(self, batch: ProposalBatch) -> Proposal: ...

@@ -115,14 +115,7 @@ class Sampler(nn.Module):
         wants_logprobs = metadata.max_num_logprobs is not None
         raw = self.logprobs_mode.startswith("raw")
         reported = logits if wants_logprobs and raw else None
-        if metadata.disallowed_mask is not None:
-            logits = logits.masked_fill(metadata.disallowed_mask, float("-inf"))
-        logits = apply_suppression(logits, metadata.suppress_token_ids)
-        if metadata.logit_bias is not None:
-            rows, token_ids, biases = metadata.logit_bias
-            logits = logits.index_put((rows, token_ids), biases, accumulate=True)
-        if metadata.penalties is not None:
-            logits = apply_penalties(logits, metadata.penalties)
+        logits = process_logits(logits, metadata)
         if metadata.all_greedy:
             # Same first-index tie rule as argmax, and several times faster on the CPU.
             sampled = logits.max(dim=-1).indices
@@ -139,6 +132,21 @@ class Sampler(nn.Module):
             reported = reported.log_softmax(dim=-1)
         token_ids, logprobs, ranks = gather_logprobs(reported, sampled, metadata.max_num_logprobs)
         return SamplerOutput(sampled, token_ids, logprobs, ranks)
+
+
+def process_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """Step 1 of the module docstring: float32 logits with ``allowed_token_ids``, suppressed
+    tokens, ``logit_bias`` and penalties applied (a new tensor)."""
+    logits = logits.to(torch.float32)
+    if metadata.disallowed_mask is not None:
+        logits = logits.masked_fill(metadata.disallowed_mask, float("-inf"))
+    logits = apply_suppression(logits, metadata.suppress_token_ids)
+    if metadata.logit_bias is not None:
+        rows, token_ids, biases = metadata.logit_bias
+        logits = logits.index_put((rows, token_ids), biases, accumulate=True)
+    if metadata.penalties is not None:
+        logits = apply_penalties(logits, metadata.penalties)
+    return logits
 
 
 def apply_suppression(logits: torch.Tensor, suppress_token_ids: dict[int, list[int]]) -> torch.Tensor:

@@ -4,6 +4,10 @@ All scheduled tokens of all requests are flattened into one batch (input ids, po
 mapping, block table, query start locations, sequence lengths); the attention backend's metadata
 is built once for the step; the model runs once; the rows whose scheduled chunk reaches the end
 of their known tokens are sampled. Rows still in the middle of a chunked prefill sample nothing.
+
+With speculative decoding (``worker/spec_decode.py``) a request's scheduled tokens end with its
+drafts: its last ``k + 1`` positions go through the rejection sampler, the rejected drafts roll
+``num_computed_tokens`` back, and the proposer drafts the next ones.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from tokenmill.interfaces.attention import (
     CommonAttentionMetadata,
 )
 from tokenmill.interfaces.kv_cache_spec import KVCacheSpec
+from tokenmill.interfaces.proposer import FlatInputs, Proposer, TargetStep
 from tokenmill.layers.attention import Attention
 from tokenmill.layers.build_context import BuildContext
 from tokenmill.layers.mla_attention import MLAAttention, is_mla_config, mla_head_size
@@ -32,6 +37,7 @@ from tokenmill.sample.sampler import Penalties, Sampler, SamplerOutput, Sampling
 from tokenmill.sampling_params import GREEDY_TEMPERATURE_EPS, SamplingParams
 from tokenmill.selector import choose_attention_backend
 from tokenmill.worker.cuda_graph import CudaGraphRunner
+from tokenmill.worker import spec_decode
 from tokenmill.worker.input_batch import CachedRequestState, InputBatch
 from tokenmill.worker.prompt_logprobs import PromptChunk, PromptLogprobs
 
@@ -39,11 +45,13 @@ from tokenmill.worker.prompt_logprobs import PromptChunk, PromptLogprobs
 @dataclass
 class ModelRunnerOutput:
     """Sampled tokens (and logprobs when asked) of the requests that sampled this step, and
-    the prompt logprobs of the requests whose prompt this step completed."""
+    the prompt logprobs of the requests whose prompt this step completed, and the drafts
+    proposed for their next step."""
 
     sampled_token_ids: dict[str, list[int]]
     logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
     prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -81,6 +89,12 @@ class ModelRunner:
         self.batch: InputBatch | None = None
         self.metadata_builder = None
         self.cuda_graphs: CudaGraphRunner | None = None
+        self.proposer: Proposer | None = None
+        if config.speculative is not None:
+            from tokenmill import plugins
+
+            proposer_cls = plugins.get_registry("proposers").choose(config.speculative.method)
+            self.proposer = proposer_cls(config.speculative, config, device)
 
     def load_model(self) -> None:
         quant = None
@@ -100,14 +114,20 @@ class ModelRunner:
         )
         self.model = load_model(self.config.model_path, self.config.hf_config, ctx, self.device)
         self.prompt_logprobs = PromptLogprobs(self.model.compute_logits)
+        if self.proposer is not None:
+            self.proposer.load_model(self.model, ctx)
 
     def attention_layers(self) -> dict[str, Attention | MLAAttention]:
+        """The target's attention layers, then the proposer's (each owns a KV cache)."""
         assert self.model is not None
-        return {
+        layers = {
             m.layer_name: m
             for m in self.model.modules()
             if isinstance(m, (Attention, MLAAttention))
         }
+        if self.proposer is not None:
+            layers.update(self.proposer.attention_layers())
+        return layers
 
     def get_kv_cache_specs(self) -> dict[str, KVCacheSpec]:
         return {
@@ -187,6 +207,49 @@ class ModelRunner:
             state = batch.requests[req_id]
             batch.append_blocks(state.row, block_ids)
             batch.num_computed_tokens[state.row] = num_computed
+        for req_id, drafts in out.scheduled_spec_decode_tokens.items():
+            row = batch.requests[req_id].row
+            start = batch.num_tokens[row]
+            batch.token_ids[row, start : start + len(drafts)] = drafts
+
+    def _flatten(
+        self, rows: np.ndarray, num_computed: np.ndarray, num_sched: np.ndarray
+    ) -> tuple[torch.Tensor, torch.Tensor, CommonAttentionMetadata, np.ndarray]:
+        """Input ids, positions and attention metadata of ``num_sched`` tokens of each row from
+        position ``num_computed`` on, and the cumulative token counts."""
+        batch = self.batch
+        assert batch is not None
+        cu = np.cumsum(num_sched)
+        starts = cu - num_sched
+        token_req = np.repeat(np.arange(len(rows)), num_sched)
+        token_rows = rows[token_req]
+        positions = num_computed[token_req] + np.arange(cu[-1]) - starts[token_req]
+        input_ids = batch.token_ids[token_rows, positions]
+        bs = self.block_size
+        slot_mapping = batch.block_table[token_rows, positions // bs] * bs + positions % bs
+        seq_lens = num_computed + num_sched
+        max_blocks = int(batch.num_blocks[rows].max())
+        common = CommonAttentionMetadata(
+            query_start_loc=self._tensor(np.concatenate(([0], cu)), torch.int32),
+            query_start_loc_cpu=torch.from_numpy(np.concatenate(([0], cu)).astype(np.int32)),
+            seq_lens=self._tensor(seq_lens, torch.int32),
+            seq_lens_cpu=torch.from_numpy(seq_lens.astype(np.int32)),
+            num_computed_tokens_cpu=torch.from_numpy(num_computed.astype(np.int32)),
+            block_table=self._tensor(batch.block_table[rows, :max_blocks], torch.int32),
+            slot_mapping=self._tensor(slot_mapping, torch.int64),
+            num_reqs=len(rows),
+            num_actual_tokens=int(cu[-1]),
+            max_query_len=int(num_sched.max()),
+            max_seq_len=int(seq_lens.max()),
+        )
+        return self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), common, cu
+
+    def prepare_flat_inputs(
+        self, rows: np.ndarray, num_computed: np.ndarray, num_new: np.ndarray
+    ) -> FlatInputs:
+        """``TargetStep.prepare``: a forward pass over ``num_new`` tokens of each row."""
+        input_ids, positions, common, cu = self._flatten(rows, num_computed, num_new)
+        return FlatInputs(input_ids, positions, common, self._tensor(cu - 1, torch.int64))
 
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
@@ -198,54 +261,58 @@ class ModelRunner:
         req_ids = list(out.num_scheduled_tokens)
         rows = np.array([batch.requests[r].row for r in req_ids], dtype=np.int64)
         num_sched = np.array([out.num_scheduled_tokens[r] for r in req_ids], dtype=np.int64)
-        cu = np.cumsum(num_sched)
-        starts = cu - num_sched
-        token_req = np.repeat(np.arange(len(req_ids)), num_sched)
-        token_rows = rows[token_req]
         num_computed = batch.num_computed_tokens[rows]
-        positions = num_computed[token_req] + np.arange(cu[-1]) - starts[token_req]
-        input_ids = batch.token_ids[token_rows, positions]
-        bs = self.block_size
-        slot_mapping = batch.block_table[token_rows, positions // bs] * bs + positions % bs
+        input_ids_t, positions_t, common, cu = self._flatten(rows, num_computed, num_sched)
         seq_lens = num_computed + num_sched
         batch.num_computed_tokens[rows] = seq_lens
-
-        max_blocks = int(batch.num_blocks[rows].max())
-        common = CommonAttentionMetadata(
-            query_start_loc=self._tensor(np.concatenate(([0], cu)), torch.int32),
-            query_start_loc_cpu=torch.from_numpy(np.concatenate(([0], cu)).astype(np.int32)),
-            seq_lens=self._tensor(seq_lens, torch.int32),
-            seq_lens_cpu=torch.from_numpy(seq_lens.astype(np.int32)),
-            num_computed_tokens_cpu=torch.from_numpy(num_computed.astype(np.int32)),
-            block_table=self._tensor(batch.block_table[rows, :max_blocks], torch.int32),
-            slot_mapping=self._tensor(slot_mapping, torch.int64),
-            num_reqs=len(req_ids),
-            num_actual_tokens=int(cu[-1]),
-            max_query_len=int(num_sched.max()),
-            max_seq_len=int(seq_lens.max()),
-        )
-        input_ids_t = self._tensor(input_ids, torch.int64)
-        positions_t = self._tensor(positions, torch.int64)
         hidden = self.cuda_graphs.run(input_ids_t, positions_t, common) if self.cuda_graphs else None
         if hidden is None:
             attn_metadata = self.metadata_builder.build(common)
             with set_forward_context(attn_metadata):
                 hidden = self.model(input_ids_t, positions_t)
 
-        prompt_logprobs = self._prompt_logprobs(req_ids, starts, num_computed, num_sched, hidden)
+        prompt_logprobs = self._prompt_logprobs(req_ids, cu - num_sched, num_computed, num_sched, hidden)
         sampling = np.nonzero(seq_lens >= batch.num_tokens[rows])[0]
-        if len(sampling) == 0:
-            return ModelRunnerOutput({}, prompt_logprobs=prompt_logprobs)
+        result = ModelRunnerOutput({}, prompt_logprobs=prompt_logprobs)
+        if len(sampling):
+            result = self._sample(out, req_ids, sampling, rows[sampling], cu, hidden)
+            result.prompt_logprobs = prompt_logprobs
+        if self.proposer is not None:
+            step = None
+            if self.proposer.uses_target_step:
+                step = TargetStep(
+                    rows, num_computed, np.concatenate(([0], cu)), hidden, self.prepare_flat_inputs
+                )
+            result.spec_token_ids = spec_decode.propose(
+                self, self.proposer, out.speculate, req_ids, list(result.sampled_token_ids), step
+            )
+        return result
+
+    def _sample(
+        self,
+        out: SchedulerOutput,
+        req_ids: list[str],
+        sampling: np.ndarray,
+        sample_rows: np.ndarray,
+        cu: np.ndarray,
+        hidden: torch.Tensor,
+    ) -> ModelRunnerOutput:
+        batch = self.batch
+        assert batch is not None and self.model is not None
+        spec_tokens = out.scheduled_spec_decode_tokens
+        if spec_tokens:
+            verified = spec_decode.verify(self, req_ids, sampling, sample_rows, cu, hidden, spec_tokens)
+            batch.num_computed_tokens[sample_rows] -= verified.num_rejected
+            spec_decode.append_emitted(
+                self, sample_rows, [verified.sampled[req_ids[i]] for i in sampling]
+            )
+            return ModelRunnerOutput(verified.sampled, verified.logprobs)
         logits = self.model.compute_logits(hidden[self._tensor(cu[sampling] - 1, torch.int64)])
-        sample_rows = rows[sampling]
         sampler_out = self.sampler(logits, self._sampling_metadata(req_ids, sampling, sample_rows))
         sampled = sampler_out.sampled_token_ids.cpu().numpy()
         batch.append_sampled(sample_rows, sampled)
-
         sampled_ids = {req_ids[i]: [int(t)] for i, t in zip(sampling, sampled)}
-        return ModelRunnerOutput(
-            sampled_ids, self._logprobs(req_ids, sampling, sampler_out), prompt_logprobs
-        )
+        return ModelRunnerOutput(sampled_ids, self._logprobs(req_ids, sampling, sampler_out))
 
     def _prompt_logprobs(
         self,

@@ -2,8 +2,8 @@
 
 The ``tokenmill.plugins`` entry point ``example`` names this module. Its hooks register a
 platform (with its own RMSNorm op), an attention backend and a model architecture by
-``module:Class`` string, so nothing below is imported until an engine chooses it, and the
-``tokenmill example-hello`` command.
+``module:Class`` string, so nothing below is imported until an engine chooses it, a
+speculative-decoding proposer (``corpus-lookup``), and the ``tokenmill example-hello`` command.
 """
 
 from tokenmill.plugins import hookimpl
@@ -22,6 +22,11 @@ def register_attention_backends(register):
 @hookimpl
 def register_models(register):
     register("GPT2LMHeadModel", "tokenmill_example_plugin.gpt2:GPT2LMHeadModel")
+
+
+@hookimpl
+def register_proposers(register):
+    register("corpus-lookup", "tokenmill_example_plugin.proposer:CorpusLookupProposer")
 
 
 @hookimpl

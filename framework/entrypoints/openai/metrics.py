@@ -110,6 +110,9 @@ ENGINE_COUNTERS = {
 }
 """get_stats() key -> (metric name after ``tokenmill:``, help); exported as ``..._total``."""
 
+PER_POS_PREFIX = "spec_num_accepted_tokens_pos_"
+"""get_stats() keys ``spec_num_accepted_tokens_pos_<i>``, exported with a ``position`` label."""
+
 ENGINE_GAUGES = {
     "num_running_requests": ("num_requests_running", "Requests in the running batch."),
     "num_waiting_requests": ("num_requests_waiting", "Requests waiting to be scheduled."),
@@ -132,6 +135,18 @@ class EngineStatsCollector(Collector):
                 metric = CounterMetricFamily(f"tokenmill:{name}", doc, labels=["model_name"])
                 metric.add_metric([self.model_name], stats[key])
                 yield metric
+        positions = sorted(
+            int(key.rsplit("_", 1)[1]) for key in stats if key.startswith(PER_POS_PREFIX)
+        )
+        if positions:
+            per_pos = CounterMetricFamily(
+                "tokenmill:spec_decode_num_accepted_tokens_per_pos",
+                "Draft tokens accepted, by their position in the draft.",
+                labels=["model_name", "position"],
+            )
+            for pos in positions:
+                per_pos.add_metric([self.model_name, str(pos)], stats[f"{PER_POS_PREFIX}{pos}"])
+            yield per_pos
         for key, (name, doc) in ENGINE_GAUGES.items():
             metric = GaugeMetricFamily(f"tokenmill:{name}", doc, labels=["model_name"])
             metric.add_metric([self.model_name], stats[key])

@@ -1,0 +1,123 @@
+"""``speculative_config``: vLLM's keys, checked, with errors that name the key."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+DEFAULT_DISABLE_BY_BATCH_SIZE = 8
+"""Running requests from which a step does not speculate, when the config does not say.
+
+A first estimate, not yet measured: from a few requests on, a CPU step is bound by compute, and
+verifying ``k + 1`` tokens per request multiplies it. ``benchmarks/spec_decode.py --workload
+concurrent`` compares speculation at any batch size, with this cut-off and without it."""
+
+MODEL_METHODS = ("draft_model", "eagle", "eagle3", "mtp")
+"""Methods that run a model of their own, named by the ``model`` key."""
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding settings.
+
+    Attributes:
+        method: the registered proposer (``ngram``, ``draft_model``, or a plugin's).
+        num_speculative_tokens: draft tokens proposed per request and step (k).
+        model: the draft model's HF directory (``draft_model``).
+        prompt_lookup_min: shortest suffix the n-gram proposer matches.
+        prompt_lookup_max: longest suffix the n-gram proposer matches.
+        disable_by_batch_size: a step with at least this many running requests does not
+            speculate; 0 speculates at any batch size.
+        extra: further keys, allowed only for plugin methods, which read them themselves.
+    """
+
+    method: str
+    num_speculative_tokens: int
+    model: str | None = None
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+    disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
+    extra: tuple[tuple[str, Any], ...] = ()
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> SpeculativeConfig:
+        """Check ``raw`` (``speculative_config``) and fill the defaults vLLM fills."""
+        if not isinstance(raw, dict):
+            raise ValueError(f"speculative_config must be a dict, got {type(raw).__name__}")
+        raw = dict(raw)
+        method = raw.pop("method", None)
+        model = raw.pop("model", None)
+        if method is None:
+            if model is None:
+                raise ValueError("speculative_config needs 'method' (or 'model' for draft_model)")
+            method = "draft_model"
+        if not isinstance(method, str) or not method:
+            raise ValueError(f"speculative_config['method'] must be a name, got {method!r}")
+        if model is not None:
+            if method == "ngram":
+                raise ValueError(
+                    f"speculative_config['model'] does not apply to method {method!r}"
+                )
+            if not isinstance(model, str) or not os.path.isdir(os.path.expanduser(model)):
+                raise ValueError(
+                    f"speculative_config['model'] must be a model directory, got {model!r}"
+                )
+            model = os.path.expanduser(model)
+        elif method == "draft_model":
+            raise ValueError("speculative_config['model'] is required for method 'draft_model'")
+        k = raw.pop("num_speculative_tokens", None)
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(
+                f"speculative_config['num_speculative_tokens'] must be a positive integer, got {k!r}"
+            )
+        lookup_min = raw.pop("prompt_lookup_min", None)
+        lookup_max = raw.pop("prompt_lookup_max", None)
+        if method == "ngram":
+            lookup_min, lookup_max = _lookup_bounds(lookup_min, lookup_max)
+        elif lookup_min is not None or lookup_max is not None:
+            key = "prompt_lookup_min" if lookup_min is not None else "prompt_lookup_max"
+            raise ValueError(f"speculative_config[{key!r}] applies to method 'ngram' only")
+        disable = raw.pop("disable_by_batch_size", DEFAULT_DISABLE_BY_BATCH_SIZE)
+        if disable is None:
+            disable = 0
+        if isinstance(disable, bool) or not isinstance(disable, int) or disable < 0:
+            raise ValueError(
+                "speculative_config['disable_by_batch_size'] must be a non-negative integer "
+                f"(0: never), got {disable!r}"
+            )
+        if raw and method in BUILTIN_METHODS:
+            raise ValueError(
+                f"unknown speculative_config key(s) for method {method!r}: "
+                f"{', '.join(sorted(raw))}; known: {', '.join(KNOWN_KEYS)}"
+            )
+        return cls(method, k, model, lookup_min, lookup_max, disable, tuple(sorted(raw.items())))
+
+
+BUILTIN_METHODS = ("ngram", *MODEL_METHODS)
+
+KNOWN_KEYS = (
+    "method",
+    "num_speculative_tokens",
+    "model",
+    "prompt_lookup_min",
+    "prompt_lookup_max",
+    "disable_by_batch_size",
+)
+
+
+def _lookup_bounds(lookup_min: Any, lookup_max: Any) -> tuple[int, int]:
+    """vLLM's defaults: both 5 when neither is given, else the one given for the other."""
+    if lookup_min is None and lookup_max is None:
+        return 5, 5
+    for key, value in (("prompt_lookup_min", lookup_min), ("prompt_lookup_max", lookup_max)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"speculative_config[{key!r}] must be a positive integer, got {value!r}")
+    lookup_min = lookup_max if lookup_min is None else lookup_min
+    lookup_max = lookup_min if lookup_max is None else lookup_max
+    if lookup_min > lookup_max:
+        raise ValueError(
+            f"speculative_config['prompt_lookup_min'] ({lookup_min}) must be <= "
+            f"'prompt_lookup_max' ({lookup_max})"
+        )
+    return lookup_min, lookup_max

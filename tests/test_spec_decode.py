@@ -1,0 +1,276 @@
+"""Speculative decoding is lossless: greedy outputs equal the non-speculative run for every
+proposer and scheduling feature, and random sampling keeps the target's distribution."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from conftest import make_tiny_checkpoint
+from tokenmill import LLM, SamplingParams
+from tokenmill.config import EngineConfig
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("spec")
+    return {
+        "target": make_tiny_checkpoint(root / "target"),
+        "draft": make_tiny_checkpoint(
+            root / "draft", hidden_size=32, intermediate_size=64, num_hidden_layers=1
+        ),
+    }
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[dict]:
+    rng = random.Random(0)
+    shared = [rng.randrange(256) for _ in range(20)]
+    prompts = [[rng.randrange(256) for _ in range(rng.randrange(3, 60))] for _ in range(6)]
+    prompts += [shared + [rng.randrange(256) for _ in range(n)] for n in (2, 40)]
+    return [{"prompt_token_ids": p} for p in prompts]
+
+
+def _generate(llm: LLM, prompts, params=GREEDY) -> list[list[int]]:
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    stats = llm.get_stats()
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny, prompts) -> list[list[int]]:
+    return _generate(LLM(model=tiny["target"], num_kv_blocks=256, max_model_len=256), prompts)
+
+
+def _spec(tiny, method: str, **extra) -> dict:
+    spec = {"method": method, "num_speculative_tokens": 3, "disable_by_batch_size": 0, **extra}
+    if method == "draft_model":
+        spec.setdefault("model", tiny["draft"])
+    return spec
+
+
+ENGINES = {
+    "plain": {"num_kv_blocks": 256},
+    "chunked": {"num_kv_blocks": 256, "max_num_batched_tokens": 32},
+    "preempting": {"num_kv_blocks": 24},
+}
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+@pytest.mark.parametrize(
+    "method, extra",
+    [
+        ("ngram", {"prompt_lookup_min": 1, "prompt_lookup_max": 3}),
+        ("draft_model", {}),
+        ("draft_model", {"model": "target"}),
+    ],
+    ids=["ngram", "random-draft", "self-draft"],
+)
+def test_greedy_equals_non_speculative(tiny, prompts, reference, engine, method, extra):
+    extra = {key: tiny[v] if v == "target" else v for key, v in extra.items()}
+    llm = LLM(model=tiny["target"], max_model_len=256, speculative_config=_spec(tiny, method, **extra), **ENGINES[engine])
+    assert _generate(llm, prompts) == reference
+    if engine == "plain":
+        assert _generate(llm, prompts) == reference
+        assert llm.get_stats()["prefix_cache_hit_tokens"] > 0
+    stats = llm.get_stats()
+    assert stats["spec_num_drafts"] > 0
+    if engine == "preempting":
+        assert stats["num_preemptions"] > 0
+    if extra.get("model") == tiny["target"]:
+        assert stats["spec_num_accepted_tokens"] == stats["spec_num_draft_tokens"]
+        assert stats["spec_num_accepted_tokens_pos_0"] == stats["spec_num_drafts"]
+
+
+def test_self_draft_accepts_everything_k_plus_one_per_step(tiny):
+    """Draft = target: acceptance 1.0 and k + 1 tokens per verification step."""
+    llm = LLM(model=tiny["target"], num_kv_blocks=64, max_model_len=256,
+              speculative_config={"model": tiny["target"], "num_speculative_tokens": 4})
+    params = SamplingParams(temperature=0, max_tokens=1 + 5 * 8, ignore_eos=True)
+    _generate(llm, [{"prompt_token_ids": [1, 2, 3]}], params)
+    stats = llm.get_stats()
+    assert stats["spec_num_drafts"] == 8
+    assert stats["spec_num_draft_tokens"] == stats["spec_num_accepted_tokens"] == 32
+    assert [stats[f"spec_num_accepted_tokens_pos_{i}"] for i in range(4)] == [8] * 4
+
+
+def test_disable_by_batch_size_turns_speculation_off(tiny, prompts, reference):
+    spec = {"model": tiny["target"], "num_speculative_tokens": 3, "disable_by_batch_size": 2}
+    llm = LLM(model=tiny["target"], num_kv_blocks=256, max_model_len=256, speculative_config=spec)
+    assert _generate(llm, prompts[:1]) == reference[:1]
+    assert llm.get_stats()["spec_num_drafts"] > 0
+    llm = LLM(model=tiny["target"], num_kv_blocks=256, max_model_len=256, speculative_config=spec)
+    assert _generate(llm, prompts) == reference
+    assert llm.get_stats()["spec_num_drafts"] < len(prompts)
+
+
+def test_stop_token_inside_accepted_run_ends_there(tiny, prompts, reference):
+    """A stop token accepted mid-run ends the request at it; max_tokens is never exceeded."""
+    target = reference[0]
+    stop = target[10]
+    first = target.index(stop)
+    llm = LLM(model=tiny["target"], num_kv_blocks=64, max_model_len=256,
+              speculative_config={"model": tiny["target"], "num_speculative_tokens": 4})
+    params = SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[stop])
+    out = llm.generate(prompts[:1], params, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == target[: first + 1]
+    assert out.finish_reason == "stop"
+    for n in (1, 2, 7, 13):
+        out = llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)
+        assert out[0].outputs[0].token_ids == target[:n]
+    stats = llm.get_stats()
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
+def test_allowed_tokens_and_logit_bias_apply_at_verified_positions(tiny, prompts):
+    allowed = list(range(0, 256, 3))
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, allowed_token_ids=allowed, logit_bias={7: 4.0})
+    ref = LLM(model=tiny["target"], num_kv_blocks=64, max_model_len=256)
+    spec = LLM(model=tiny["target"], num_kv_blocks=64, max_model_len=256,
+               speculative_config={"model": tiny["target"], "num_speculative_tokens": 3})
+    expected = _generate(ref, prompts[:3], params)
+    assert all(t in allowed for out in expected for t in out)
+    assert _generate(spec, prompts[:3], params) == expected
+    assert spec.get_stats()["spec_num_drafts"] > 0
+
+
+def test_logprobs_of_accepted_tokens_match_non_speculative(tiny, prompts):
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    ref = LLM(model=tiny["target"], num_kv_blocks=64, max_model_len=256)
+    spec = LLM(model=tiny["target"], num_kv_blocks=64, max_model_len=256,
+               speculative_config={"model": tiny["target"], "num_speculative_tokens": 3})
+    a = ref.generate(prompts[:2], params, use_tqdm=False)
+    b = spec.generate(prompts[:2], params, use_tqdm=False)
+    assert spec.get_stats()["spec_num_accepted_tokens"] > 0
+    for x, y in zip(a, b):
+        assert x.outputs[0].token_ids == y.outputs[0].token_ids
+        for lx, ly in zip(x.outputs[0].logprobs, y.outputs[0].logprobs):
+            assert lx.keys() == ly.keys()
+            for t in lx:
+                assert abs(lx[t] - ly[t]) < 1e-4
+
+
+@pytest.mark.slow
+def test_random_path_keeps_the_target_distribution(tmp_path):
+    """First two tokens, a mismatched draft, 50k samples: TV to the exact target joint < 0.02."""
+    from transformers import AutoModelForCausalLM
+
+    vocab = 6
+    target = make_tiny_checkpoint(tmp_path / "t", vocab_size=vocab, initializer_range=0.5)
+    draft = make_tiny_checkpoint(tmp_path / "d", vocab_size=vocab, hidden_size=32, num_hidden_layers=1)
+    prompt = [1, 2, 3]
+    hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    with torch.no_grad():
+        p1 = hf(torch.tensor([prompt])).logits[0, -1].softmax(-1)
+        seqs = torch.tensor([prompt + [x] for x in range(vocab)])
+        p2 = hf(seqs).logits[:, -1].softmax(-1)
+    exact = (p1.unsqueeze(1) * p2).flatten()
+    llm = LLM(model=target, num_kv_blocks=2048, max_model_len=64, max_num_seqs=1024,
+              speculative_config={"model": draft, "num_speculative_tokens": 2, "disable_by_batch_size": 0})
+    n = 50_000
+    params = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": prompt}] * n, params, use_tqdm=False)
+    stats = llm.get_stats()
+    assert stats["spec_num_drafts"] >= n
+    assert 0 < stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"]
+    pairs = torch.tensor([o.outputs[0].token_ids[0] * vocab + o.outputs[0].token_ids[1] for o in outs])
+    freq = torch.bincount(pairs, minlength=vocab * vocab).double() / n
+    assert 0.5 * (freq - exact.double()).abs().sum().item() < 0.02
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ({"num_speculative_tokens": 2}, r"needs 'method'"),
+        ({"method": "ngram"}, r"\['num_speculative_tokens'\] must be a positive integer, got None"),
+        ({"method": "ngram", "num_speculative_tokens": 0}, r"\['num_speculative_tokens'\] must be a positive"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
+         r"\['prompt_lookup_min'\] \(4\) must be <= 'prompt_lookup_max' \(2\)"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 0}, r"\['prompt_lookup_max'\] must be a positive"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": -1}, r"\['disable_by_batch_size'\]"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2},
+         r"unknown speculative_config key\(s\) for method 'ngram': draft_tensor_parallel_size"),
+        ({"method": "draft_model", "num_speculative_tokens": 2}, r"\['model'\] is required for method 'draft_model'"),
+        ({"method": "draft_model", "model": "/nonexistent", "num_speculative_tokens": 2}, r"\['model'\] must be a model directory"),
+        ({"method": "draft_model", "model": "/tmp", "num_speculative_tokens": 2, "prompt_lookup_min": 2},
+         r"\['prompt_lookup_min'\] applies to method 'ngram' only"),
+    ],
+)
+def test_bad_speculative_config_names_the_key(spec, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(speculative_config=spec)
+
+
+def test_unregistered_method_and_foreign_vocabulary_are_refused(tiny, tmp_path):
+    with pytest.raises(ValueError, match=r"\['method'\] 'eagle' is not a registered proposer .*registered: draft_model, ngram"):
+        EngineConfig(model=tiny["target"], speculative_config={"method": "eagle", "num_speculative_tokens": 2}).finalize()
+    other = make_tiny_checkpoint(tmp_path / "other", vocab_size=300)
+    with pytest.raises(ValueError, match=r"\['model'\] .* has a vocabulary of 300 tokens, the target 256"):
+        EngineConfig(model=tiny["target"], speculative_config={"model": other, "num_speculative_tokens": 2}).finalize()
+
+
+def test_ngram_defaults_follow_vllm():
+    spec = EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 2}).speculative
+    assert (spec.prompt_lookup_min, spec.prompt_lookup_max) == (5, 5)
+    spec = EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}).speculative
+    assert (spec.prompt_lookup_min, spec.prompt_lookup_max) == (3, 3)
+
+
+DEFAULT_TEXTS = [
+    "Repeat after me: the quick brown fox jumps over the lazy dog. The quick brown fox",
+    "List the numbers: 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,",
+    "The history of the Roman Empire",
+    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):",
+    "Photosynthesis is the process by which",
+    "Copy: red green blue, red green blue, red green blue,",
+    "A good recipe for pancakes needs",
+    "The tallest mountain in the world",
+]
+DEFAULT_ENGINES = {
+    "plain": {"num_kv_blocks": 256},
+    "chunked": {"num_kv_blocks": 256, "max_num_batched_tokens": 32},
+    "preempting": {"num_kv_blocks": 16},
+}
+DEFAULT_GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def default_reference(default_tokenizer) -> tuple[list[dict], list[list[int]]]:
+    prompts = [{"prompt_token_ids": default_tokenizer.encode(t)} for t in DEFAULT_TEXTS]
+    llm = LLM(num_kv_blocks=256, max_model_len=256)
+    return prompts, _generate(llm, prompts, DEFAULT_GREEDY)
+
+
+@pytest.mark.parametrize("engine", list(DEFAULT_ENGINES))
+@pytest.mark.parametrize("method", ["ngram", "self-draft"])
+def test_default_model_greedy_equals_non_speculative(default_model_dir, default_reference, method, engine):
+    prompts, reference = default_reference
+    spec = {"method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    if method == "self-draft":
+        spec = {"method": "draft_model", "model": default_model_dir}
+    spec |= {"num_speculative_tokens": 3, "disable_by_batch_size": 0}
+    llm = LLM(max_model_len=256, speculative_config=spec, **DEFAULT_ENGINES[engine])
+    assert _generate(llm, prompts, DEFAULT_GREEDY) == reference
+    stats = llm.get_stats()
+    assert stats["spec_num_accepted_tokens"] > 0
+    if engine == "preempting":
+        assert stats["num_preemptions"] > 0
+    if method == "self-draft":
+        assert stats["spec_num_accepted_tokens"] == stats["spec_num_draft_tokens"]
+
+
+def test_cli_speculative_config_is_a_json_object(capsys):
+    from tokenmill import cli
+
+    parser = cli.build_parser()
+    args = parser.parse_args(["generate", "hi", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'])
+    assert cli.engine_kwargs(args)["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 2}
+    for bad in ("{bad", "[1, 2]"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["generate", "hi", "--speculative-config", bad])
+    assert "--speculative-config" in capsys.readouterr().err
