@@ -152,7 +152,8 @@ def test_logprobs_of_accepted_tokens_match_non_speculative(tiny, prompts):
         for lx, ly in zip(x.outputs[0].logprobs, y.outputs[0].logprobs):
             assert lx.keys() == ly.keys()
             for t in lx:
-                assert abs(lx[t] - ly[t]) < 1e-4
+                assert abs(lx[t].logprob - ly[t].logprob) < 1e-4
+                assert lx[t].rank == ly[t].rank
 
 
 @pytest.mark.slow
