@@ -77,7 +77,7 @@ def test_echo_with_logprobs_streamed_equals_non_streamed(client):
         got = streamed[c.index]
         assert got["text"][0] == c.text
         assert got["tokens"] == c.logprobs.tokens
-        assert got["token_logprobs"] == pytest.approx(c.logprobs.token_logprobs, abs=1e-6)
+        assert got["token_logprobs"] == pytest.approx(c.logprobs.token_logprobs, abs=1e-4)
 
 
 def test_lm_eval_loglikelihood_request(server, prompt_ids, reference):

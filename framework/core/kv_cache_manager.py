@@ -47,8 +47,10 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """The longest run of cached full blocks that prefixes the request, and its token count.
         At least the last token is always left to compute, so there are logits to sample.
-        A lookup alone is not counted in the stats; ``record_prefix_query`` counts an admission."""
-        if not self.enable_caching:
+        A lookup alone is not counted in the stats; ``record_prefix_query`` counts an admission.
+        A request that wants prompt logprobs gets no hit (as in vLLM): every prompt position
+        must run through the model."""
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVCacheBlock] = []
