@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -38,6 +40,10 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     preempted_req_ids: set[str] = field(default_factory=set)
     finished_req_ids: set[str] = field(default_factory=set)
+    structured_output_request_ids: list[str] = field(default_factory=list)
+    """Requests that sample this step under a structured-output constraint."""
+    grammar_bitmask: np.ndarray | None = None
+    """int32 ``[len(structured_output_request_ids), ceil(V / 32)]``: the tokens each may sample."""
 
     @property
     def is_empty(self) -> bool:
