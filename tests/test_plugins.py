@@ -173,7 +173,7 @@ def test_tokenmill_plugins_filters_entry_points(fake_plugin, allowed, present, a
 
 BROKEN_PREFIX = "plugin 'broken' from distribution 'broken-dist' "
 HOOKS = "register_platforms, register_attention_backends, register_models, register_proposers, " \
-    "register_quantization_methods, register_commands"
+    "register_quantization_methods, register_commands, register_tool_parsers"
 
 BROKEN = {
     "import-error": (

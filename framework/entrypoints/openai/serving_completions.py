@@ -17,6 +17,7 @@ from tokenmill.entrypoints.openai.protocol import (
     UsageInfo,
 )
 from tokenmill.entrypoints.openai.serving_engine import OpenAIServing, merge_streams
+from tokenmill.entrypoints.openai.structured_outputs import structured_outputs_of
 from tokenmill.outputs import CompletionOutput
 
 Prompt = tuple[str | None, list[int]]
@@ -35,7 +36,9 @@ class OpenAIServingCompletion(OpenAIServing):
         prompts = [self.tokenize(p, "prompt") for p in _split_prompts(request.prompt)]
         for _, ids in prompts:
             self.check_context(len(ids), request.max_tokens)
-        params = self.sampling_params(request, request.max_tokens, request.logprobs)
+        params = self.sampling_params(
+            request, request.max_tokens, request.logprobs, structured_outputs_of(request)
+        )
         request_id = f"cmpl-{uuid.uuid4().hex}"
         streams = await self.start(
             prompts, params, request_id, bool(request.stream), request.cache_salt
