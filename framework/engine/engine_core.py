@@ -146,7 +146,7 @@ class EngineCore:
         self.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED)
 
     def abort_all_requests(self) -> None:
-        self.abort_requests(list(self.scheduler.requests))
+        self.abort_requests([*self.scheduler.requests, *self.waiting_for_fsm])
 
     def finish_requests(
         self, req_ids: list[str], status: RequestStatus, stop_reason: int | str | None = None
