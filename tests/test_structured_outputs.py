@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import numpy as np
 import pytest
 import torch
 
 from tokenmill import LLM, SamplingParams, StructuredOutputsParams
+from tokenmill.engine.input_processor import EngineCoreRequest
 from tokenmill.structured_output.bitmask import apply_grammar_bitmask
 
 jsonschema = pytest.importorskip("jsonschema")
@@ -155,3 +157,13 @@ def test_request_waits_outside_the_scheduler_until_its_grammar_compiled(llm):
         outputs += llm.llm_engine.step()
     assert not core.waiting_for_fsm
     jsonschema.validate(json.loads(outputs[-1].outputs[0].text), schema)
+
+
+def test_core_finishes_a_request_whose_grammar_fails_to_compile(llm):
+    core = llm.llm_engine.engine_core.engine_core
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(regex="(abc"))
+    core.add_request(EngineCoreRequest("bad", [1, 2, 3], params, None, 4, time.monotonic()))
+    outputs = []
+    while core.has_unfinished_requests():
+        outputs += core.step().outputs
+    assert [(o.req_id, o.new_token_ids, o.finish_reason) for o in outputs] == [("bad", [], "error")]
