@@ -150,6 +150,28 @@ def test_named_function_streams_its_arguments(client):
     assert "".join(p[0].function.arguments or "" for p in pieces) == call.function.arguments
 
 
+def test_auto_choice_answers_with_content_or_parsed_calls(client):
+    for stream in (False, True):
+        out = client.chat.completions.create(
+            model=MODEL, messages=QUESTION, tools=TOOLS, max_tokens=24, temperature=0, stream=stream
+        )
+        if stream:
+            chunks = [c.choices[0] for c in out if c.choices]
+            content = "".join(c.delta.content or "" for c in chunks)
+            calls = [t for c in chunks for t in c.delta.tool_calls or []]
+            finish = chunks[-1].finish_reason
+        else:
+            content, calls = out.choices[0].message.content, out.choices[0].message.tool_calls
+            finish = out.choices[0].finish_reason
+        assert "<tool_call>" not in (content or "")
+        if calls:
+            assert finish == "tool_calls"
+            for call in calls:
+                json.loads(call.function.arguments)
+        else:
+            assert content
+
+
 def test_response_format_and_guided_fields(server, client):
     schema = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}}, "required": ["answer"]}
     out = client.chat.completions.create(
