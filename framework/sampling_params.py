@@ -28,6 +28,8 @@ class StructuredOutputsParams:
         choice: the output is one of these strings.
         grammar: an EBNF grammar (GBNF / xgrammar syntax, start rule ``root``).
         json_object: the output is any JSON object.
+        disable_any_whitespace: a ``json`` constraint allows no whitespace beyond xgrammar's
+            compact separators (a small model may otherwise emit newlines until ``max_tokens``).
 
     Invalid combinations raise ``ValueError``; a constraint that does not compile raises
     ``ValueError`` when the request is added.
@@ -38,6 +40,7 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    disable_any_whitespace: bool = False
 
     def __post_init__(self) -> None:
         kinds = [k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False)]
@@ -60,6 +63,11 @@ class StructuredOutputsParams:
             raise ValueError(
                 f"structured_outputs.choice must be a non-empty list of non-empty strings, "
                 f"got {self.choice!r}"
+            )
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise ValueError(
+                "structured_outputs.disable_any_whitespace must be a bool, "
+                f"got {self.disable_any_whitespace!r}"
             )
         if self.json_object is not None and self.json_object is not True:
             raise ValueError(f"structured_outputs.json_object must be true, got {self.json_object!r}")
@@ -276,11 +284,12 @@ def _check_float(name: str, value: Any) -> float:
 
 
 def _structured_outputs_from_dict(fields: dict[str, Any]) -> StructuredOutputsParams:
-    unknown = sorted(set(fields) - set(STRUCTURED_OUTPUT_KINDS))
+    supported = StructuredOutputsParams.__dataclass_fields__
+    unknown = sorted(set(fields) - set(supported))
     if unknown:
         raise ValueError(
             f"structured_outputs has unknown or unsupported field(s) {unknown}; "
-            f"supported: {', '.join(STRUCTURED_OUTPUT_KINDS)}"
+            f"supported: {', '.join(supported)}"
         )
     return StructuredOutputsParams(**fields)
 

@@ -69,7 +69,7 @@ def test_json_schema_50_requests_all_validate(llm):
             temperature=0 if i % 5 == 0 else 1.0,
             seed=None if i % 5 == 0 else i,
             max_tokens=120,
-            structured_outputs=StructuredOutputsParams(json=PERSON),
+            structured_outputs=StructuredOutputsParams(json=PERSON, disable_any_whitespace=True),
         )
         for i in range(50)
     ]
@@ -147,16 +147,14 @@ def test_constraint_that_does_not_compile_is_a_value_error(llm, constraint, prob
 
 def test_request_waits_outside_the_scheduler_until_its_grammar_compiled(llm):
     core = llm.llm_engine.engine_core.engine_core
-    schema = {"type": "object", "properties": {"k": {"type": "string", "maxLength": 4}}}
-    llm.llm_engine.add_request(
-        "fsm", "x", SamplingParams(max_tokens=12, structured_outputs=StructuredOutputsParams(json=schema))
-    )
+    constraint = StructuredOutputsParams(choice=["alpha", "beta"])
+    llm.llm_engine.add_request("fsm", "x", SamplingParams(max_tokens=12, structured_outputs=constraint))
     assert "0_fsm" in core.waiting_for_fsm and "0_fsm" not in core.scheduler.requests
     outputs = []
     while llm.llm_engine.has_unfinished_requests():
         outputs += llm.llm_engine.step()
     assert not core.waiting_for_fsm
-    jsonschema.validate(json.loads(outputs[-1].outputs[0].text), schema)
+    assert outputs[-1].outputs[0].text in ("alpha", "beta")
 
 
 def test_core_finishes_a_request_whose_grammar_fails_to_compile(llm):

@@ -61,7 +61,9 @@ class XgrammarBackend(StructuredOutputBackend):
     def compile_grammar(self, params: StructuredOutputsParams) -> XgrammarGrammar:
         kind = params.kind
         if kind == "json":
-            compiled = self.compiler.compile_json_schema(_schema_text(params.json))
+            compiled = self.compiler.compile_json_schema(
+                _schema_text(params.json), any_whitespace=not params.disable_any_whitespace
+            )
         elif kind == "json_object":
             compiled = self.compiler.compile_builtin_json_grammar()
         elif kind == "regex":
