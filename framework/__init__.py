@@ -15,11 +15,12 @@ if TYPE_CHECKING:
     from tokenmill.entrypoints.llm import LLM
     from tokenmill.interfaces.model import ModelRegistry
     from tokenmill.outputs import CompletionOutput, RequestOutput
-    from tokenmill.sampling_params import SamplingParams
+    from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
 
 _LAZY = {
     "LLM": "tokenmill.entrypoints.llm",
     "SamplingParams": "tokenmill.sampling_params",
+    "StructuredOutputsParams": "tokenmill.sampling_params",
     "RequestOutput": "tokenmill.outputs",
     "CompletionOutput": "tokenmill.outputs",
     "ModelRegistry": "tokenmill.interfaces.model",
@@ -40,6 +41,7 @@ __all__ = [
     "ModelRegistry",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutputsParams",
     "hookimpl",
     "__version__",
 ]

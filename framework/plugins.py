@@ -36,6 +36,7 @@ KINDS = {
     "proposers": "register_proposers",
     "quantization_methods": "register_quantization_methods",
     "commands": "register_commands",
+    "tool_parsers": "register_tool_parsers",
 }
 
 
@@ -67,6 +68,11 @@ class HookSpecs:
         """Register ``tokenmill`` subcommands: ``register("hello", "pkg.cli:add_hello")``, where
         ``add_hello(subparsers)`` adds the ``hello`` parser to the ``argparse`` subparsers and
         sets its ``func(args) -> int`` default; keep heavy imports inside ``func``."""
+
+    @hookspec
+    def register_tool_parsers(self, register: Callable[[str, str], None]) -> None:
+        """Register tool-call parsers (``ToolParser`` subclasses) by the name
+        ``--tool-call-parser`` takes: ``register("hermes", "pkg.mod:HermesParser")``."""
 
 
 class PluginError(RuntimeError):
@@ -304,7 +310,7 @@ def reload_plugins() -> PluginManager:
 
 def get_registry(kind: str, strict: bool = True) -> Registry:
     """The registry of one kind: platforms, attention_backends, models, proposers,
-    quantization_methods, commands; ``strict`` as in ``get_plugin_manager``."""
+    quantization_methods, commands, tool_parsers; ``strict`` as in ``get_plugin_manager``."""
     if kind not in KINDS:
         raise ValueError(f"unknown plugin kind {kind!r}; expected one of {', '.join(KINDS)}")
     return get_plugin_manager(strict).registries[kind]
@@ -356,3 +362,8 @@ def register_proposer(name: str, target: str | type) -> None:
 def register_quantization_method(name: str, target: str | type) -> None:
     """``register("quantization_methods", name, target)``."""
     register("quantization_methods", name, target)
+
+
+def register_tool_parser(name: str, target: str | type) -> None:
+    """``register("tool_parsers", name, target)``."""
+    register("tool_parsers", name, target)

@@ -16,6 +16,71 @@ MAX_LOGPROBS = 20
 """Largest ``logprobs`` (top-N) a request may ask for."""
 
 
+@dataclass
+class StructuredOutputsParams:
+    """A constraint on the output, enforced token by token (vLLM's ``StructuredOutputsParams``).
+
+    Exactly one of the fields is set:
+
+    Attributes:
+        json: a JSON schema (a dict or its JSON text); the output is a JSON value it validates.
+        regex: the output matches this regular expression.
+        choice: the output is one of these strings.
+        grammar: an EBNF grammar (GBNF / xgrammar syntax, start rule ``root``).
+        json_object: the output is any JSON object.
+        disable_any_whitespace: a ``json`` constraint allows no whitespace beyond xgrammar's
+            compact separators (a small model may otherwise emit newlines until ``max_tokens``).
+
+    Invalid combinations raise ``ValueError``; a constraint that does not compile raises
+    ``ValueError`` when the request is added.
+    """
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        kinds = [k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False)]
+        if len(kinds) != 1:
+            raise ValueError(
+                "structured_outputs must set exactly one of "
+                f"{', '.join(STRUCTURED_OUTPUT_KINDS)}, got {kinds or 'none'}"
+            )
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ValueError(f"structured_outputs.json must be a dict or a str, got {self.json!r}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, str) and value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty str, got {value!r}")
+        if self.choice is not None and not (
+            isinstance(self.choice, (list, tuple))
+            and self.choice
+            and all(isinstance(c, str) and c for c in self.choice)
+        ):
+            raise ValueError(
+                f"structured_outputs.choice must be a non-empty list of non-empty strings, "
+                f"got {self.choice!r}"
+            )
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise ValueError(
+                "structured_outputs.disable_any_whitespace must be a bool, "
+                f"got {self.disable_any_whitespace!r}"
+            )
+        if self.json_object is not None and self.json_object is not True:
+            raise ValueError(f"structured_outputs.json_object must be true, got {self.json_object!r}")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint is set: ``json``, ``regex``, ``choice``, ``grammar`` or ``json_object``."""
+        return next(k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False))
+
+
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
 class SamplingType(IntEnum):
     """How a request's tokens are drawn: argmax, or at random from the shared or its own RNG."""
 
@@ -60,6 +125,7 @@ class SamplingParams:
         logit_bias: token id -> bias added to its logit.
         allowed_token_ids: only these token ids may be sampled.
         bad_words: not implemented yet; a non-empty list raises ``ValueError``.
+        structured_outputs: constrain the output to a JSON schema, regex, choice or grammar.
 
     Greedy requests (temperature 0) ignore ``top_p``, ``top_k`` and ``min_p``, which are
     reset to their off values. Invalid values raise ``ValueError`` naming the field.
@@ -86,6 +152,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self.n = _check_int("n", self.n, minimum=1)
@@ -137,6 +204,15 @@ class SamplingParams:
         if self.bad_words:
             raise ValueError("bad_words is not implemented yet")
         self.stop_token_ids = _normalise_stop_token_ids(self.stop_token_ids)
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = _structured_outputs_from_dict(self.structured_outputs)
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            raise ValueError(
+                "structured_outputs must be a StructuredOutputsParams, "
+                f"got {self.structured_outputs!r}"
+            )
 
         if self.top_k == -1:
             self.top_k = 0
@@ -213,6 +289,17 @@ def _check_float(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
         raise ValueError(f"{name} must be a finite number, got {value!r}")
     return float(value)
+
+
+def _structured_outputs_from_dict(fields: dict[str, Any]) -> StructuredOutputsParams:
+    supported = StructuredOutputsParams.__dataclass_fields__
+    unknown = sorted(set(fields) - set(supported))
+    if unknown:
+        raise ValueError(
+            f"structured_outputs has unknown or unsupported field(s) {unknown}; "
+            f"supported: {', '.join(supported)}"
+        )
+    return StructuredOutputsParams(**fields)
 
 
 def _normalise_stop(stop: Any) -> list[str]:

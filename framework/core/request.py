@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.structured_output.request import StructuredOutputRequest
 
 
 class RequestStatus(enum.IntEnum):
@@ -64,6 +65,7 @@ class Request:
     all_token_ids: list[int] = field(init=False)
     block_hashes: list[bytes] = field(default_factory=list)
     block_hasher: Callable[[Request], None] | None = None
+    structured_output_request: StructuredOutputRequest | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -43,6 +45,10 @@ class SchedulerOutput:
     request's ``num_scheduled_tokens``."""
     speculate: bool = False
     """Whether the workers propose drafts after this step (see ``disable_by_batch_size``)."""
+    structured_output_request_ids: list[str] = field(default_factory=list)
+    """Requests that sample this step under a structured-output constraint."""
+    grammar_bitmask: np.ndarray | None = None
+    """int32 ``[len(structured_output_request_ids), ceil(V / 32)]``: the tokens each may sample."""
 
     @property
     def is_empty(self) -> bool:

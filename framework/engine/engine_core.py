@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import time
 from dataclasses import dataclass, field
@@ -11,11 +12,16 @@ from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.kv_cache_utils import make_block_hasher
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.scheduler import EngineCoreOutput, Scheduler, SchedulerConfig
+from tokenmill.core.scheduler_output import SchedulerOutput
 from tokenmill.engine.input_processor import EngineCoreRequest
 from tokenmill.interfaces.kv_cache_spec import KVCacheSpec
+from tokenmill.structured_output import StructuredOutputManager
 from tokenmill.worker.executor import UniProcExecutor
 
 logger = logging.getLogger(__name__)
+
+GRAMMAR_WAIT_S = 0.05
+"""How long a step with nothing else to run waits for a grammar to compile."""
 
 
 def determine_num_blocks(config: EngineConfig, specs: dict[str, KVCacheSpec]) -> int:
@@ -92,6 +98,9 @@ class EngineCore:
             ),
             self.kv_cache_manager,
         )
+        self.structured_output_manager = StructuredOutputManager(config)
+        self.waiting_for_fsm: dict[str, Request] = {}
+        """Requests whose structured-output constraint is still compiling."""
 
     def _log_summary(self, num_blocks: int, kv_bytes: int) -> None:
         config = self.config
@@ -120,43 +129,51 @@ class EngineCore:
         return min(self.config.max_model_len - 1, admissible)
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        self.scheduler.add_request(
-            Request(
-                request.request_id,
-                request.prompt_token_ids,
-                request.sampling_params,
-                request.eos_token_id,
-                request.max_tokens,
-                arrival_time=request.arrival_time,
-                priority=request.priority,
-                cache_salt=request.cache_salt,
-                block_hasher=self.block_hasher,
-            )
+        """Queue a request; one with a structured-output constraint waits until it compiled."""
+        req = Request(
+            request.request_id,
+            request.prompt_token_ids,
+            request.sampling_params,
+            request.eos_token_id,
+            request.max_tokens,
+            arrival_time=request.arrival_time,
+            priority=request.priority,
+            cache_salt=request.cache_salt,
+            block_hasher=self.block_hasher,
         )
+        if req.sampling_params.structured_outputs is None:
+            self.scheduler.add_request(req)
+            return
+        self.structured_output_manager.grammar_init(req)
+        self.waiting_for_fsm[req.request_id] = req
 
     def abort_requests(self, req_ids: list[str]) -> None:
         self.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED)
 
     def abort_all_requests(self) -> None:
-        self.abort_requests(list(self.scheduler.requests))
+        self.abort_requests([*self.scheduler.requests, *self.waiting_for_fsm])
 
     def finish_requests(
         self, req_ids: list[str], status: RequestStatus, stop_reason: int | str | None = None
     ) -> None:
         """Finish unfinished requests from outside a step (aborts, matched stop strings) and
         free their blocks; unknown or finished ids are ignored."""
+        for req_id in req_ids:
+            self.waiting_for_fsm.pop(req_id, None)
         self.scheduler.finish_requests(req_ids, status, stop_reason)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self.waiting_for_fsm)
 
     def step(self) -> EngineCoreOutputs:
         """Schedule, execute, update. If execution raises, the step's requests are failed
         (see ``Scheduler.fail_step``) before the exception propagates; the caller reports them."""
+        failed = self._admit_compiled()
         if not self.scheduler.has_unfinished_requests():
-            return EngineCoreOutputs(timestamp=time.monotonic())
+            return EngineCoreOutputs(failed, timestamp=time.monotonic())
         start = time.monotonic()
         scheduler_output = self.scheduler.schedule()
+        self._add_grammar_bitmask(scheduler_output)
         try:
             model_output = self.executor.execute_model(scheduler_output)
         except Exception:
@@ -169,7 +186,57 @@ class EngineCore:
             model_output.prompt_logprobs,
             model_output.spec_token_ids,
         )
-        return EngineCoreOutputs(outputs, list(scheduler_output.num_scheduled_tokens), start)
+        self._advance_grammars(outputs)
+        return EngineCoreOutputs(
+            failed + outputs, list(scheduler_output.num_scheduled_tokens), start
+        )
+
+    def _admit_compiled(self) -> list[EngineCoreOutput]:
+        """Hand requests whose constraint compiled to the scheduler (waiting a moment when
+        nothing else could run); finish those whose compilation failed."""
+        if not self.waiting_for_fsm:
+            return []
+        if not self.scheduler.has_unfinished_requests():
+            concurrent.futures.wait(
+                [r.structured_output_request.future for r in self.waiting_for_fsm.values()],
+                timeout=GRAMMAR_WAIT_S,
+                return_when=concurrent.futures.FIRST_COMPLETED,
+            )
+        failed = []
+        for req_id, req in list(self.waiting_for_fsm.items()):
+            so_request = req.structured_output_request
+            if not so_request.is_ready:
+                continue
+            del self.waiting_for_fsm[req_id]
+            error = so_request.future.exception()
+            if error is None:
+                self.scheduler.add_request(req)
+                continue
+            logger.error("request %s: structured output did not compile: %s", req_id, error)
+            failed.append(EngineCoreOutput(req_id, [], finish_reason="error"))
+        return failed
+
+    def _add_grammar_bitmask(self, scheduler_output: SchedulerOutput) -> None:
+        requests = self.scheduler.requests
+        sampling = (
+            requests[req_id]
+            for req_id in scheduler_output.num_scheduled_tokens
+            if requests[req_id].num_computed_tokens >= requests[req_id].num_tokens
+        )
+        result = self.structured_output_manager.grammar_bitmask(sampling)
+        if result is not None:
+            scheduler_output.structured_output_request_ids, scheduler_output.grammar_bitmask = result
+
+    def _advance_grammars(self, outputs: list[EngineCoreOutput]) -> None:
+        """Advance the matchers over the sampled tokens; finish requests whose constraint
+        terminated (with its stop token, even under ``ignore_eos``)."""
+        for output in outputs:
+            req = self.scheduler.requests.get(output.req_id)
+            if req is None or req.structured_output_request is None:
+                continue
+            if self.structured_output_manager.accept_tokens(req, output.new_token_ids):
+                self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
+                output.finish_reason = req.get_finished_reason()
 
     def get_stats(self) -> dict[str, int]:
         """Scheduler and KV-cache counters, and speculative decoding's when it is on."""
@@ -178,7 +245,7 @@ class EngineCore:
         return {
             **spec,
             "num_running_requests": len(self.scheduler.running),
-            "num_waiting_requests": len(self.scheduler.waiting),
+            "num_waiting_requests": len(self.scheduler.waiting) + len(self.waiting_for_fsm),
             "num_preemptions": self.scheduler.num_preemptions,
             "prefix_cache_query_tokens": kv.stats.queries,
             "prefix_cache_hit_tokens": kv.stats.hits,

@@ -14,6 +14,7 @@ from transformers import PreTrainedTokenizerBase
 from tokenmill.config import EngineConfig
 from tokenmill.model_loader.loader import load_generation_config
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.structured_output import validate_structured_outputs
 
 PromptType = str | dict[str, Any]
 
@@ -124,6 +125,10 @@ class InputProcessor:
                 "stop strings need a tokenizer and this model has none; use stop_token_ids"
             )
         params.check_token_ids(self.vocab_size)
+        if params.structured_outputs is not None:
+            if self.tokenizer is None:
+                raise ValueError("structured_outputs need a tokenizer and this model has none")
+            validate_structured_outputs(params.structured_outputs)
         text, ids = self.tokenize_prompt(prompt)
         params = params.clone()
         params.update_from_generation_config(self.generation_config, self.eos_token_id)

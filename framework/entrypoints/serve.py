@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from tokenmill import envs
+from tokenmill import envs, plugins
 from tokenmill.cli import add_engine_args, engine_kwargs
 
 
@@ -37,6 +37,19 @@ def register_subcommand(subparsers: argparse._SubParsersAction) -> None:
         help="run the engine core in its own process (--no-engine-process: in a thread of the "
         "server's)",
     )
+    parser.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='let the model choose whether to call tools (tool_choice="auto"); needs '
+        "--tool-call-parser",
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        default=None,
+        help="how tool calls appear in the model's output, for tool_choice=\"auto\": a "
+        "registered tool parser (hermes, llama3_json, or a plugin's); needs "
+        "--enable-auto-tool-choice",
+    )
     parser.add_argument("--uvicorn-log-level", default="info", help="uvicorn's log level")
     add_engine_args(parser)
     parser.set_defaults(func=run)
@@ -44,6 +57,16 @@ def register_subcommand(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import uvicorn
+
+    if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
+        raise SystemExit(
+            "error: --enable-auto-tool-choice and --tool-call-parser must be given together"
+        )
+    if args.tool_call_parser is not None:
+        try:
+            plugins.get_registry("tool_parsers").get(args.tool_call_parser)
+        except ValueError as e:
+            raise SystemExit(f"error: --tool-call-parser: {e}") from None
 
     from tokenmill.default_model import DEFAULT_MODEL_NAME
     from tokenmill.engine.async_llm import AsyncLLM
@@ -58,6 +81,8 @@ def run(args: argparse.Namespace) -> int:
         **limit, engine_process=args.engine_process, **engine_kwargs(args)
     )
     names = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
-    app = build_app(engine, names, args.api_key or envs.TOKENMILL_API_KEY)
+    app = build_app(
+        engine, names, args.api_key or envs.TOKENMILL_API_KEY, args.tool_call_parser
+    )
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
     return 0

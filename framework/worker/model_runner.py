@@ -36,6 +36,7 @@ from tokenmill.model_loader.loader import load_model
 from tokenmill.sample.sampler import Penalties, Sampler, SamplerOutput, SamplingMetadata
 from tokenmill.sampling_params import GREEDY_TEMPERATURE_EPS, SamplingParams
 from tokenmill.selector import choose_attention_backend
+from tokenmill.structured_output.bitmask import apply_grammar_bitmask
 from tokenmill.worker.cuda_graph import CudaGraphRunner
 from tokenmill.worker import spec_decode
 from tokenmill.worker.input_batch import CachedRequestState, InputBatch
@@ -308,6 +309,13 @@ class ModelRunner:
             )
             return ModelRunnerOutput(verified.sampled, verified.logprobs)
         logits = self.model.compute_logits(hidden[self._tensor(cu[sampling] - 1, torch.int64)])
+        if out.grammar_bitmask is not None:
+            apply_grammar_bitmask(
+                logits,
+                [req_ids[i] for i in sampling],
+                out.structured_output_request_ids,
+                out.grammar_bitmask,
+            )
         sampler_out = self.sampler(logits, self._sampling_metadata(req_ids, sampling, sample_rows))
         sampled = sampler_out.sampled_token_ids.cpu().numpy()
         batch.append_sampled(sample_rows, sampled)

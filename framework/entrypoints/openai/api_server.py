@@ -38,6 +38,7 @@ from tokenmill.entrypoints.openai.protocol import (
 from tokenmill.entrypoints.openai.serving_chat import OpenAIServingChat
 from tokenmill.entrypoints.openai.serving_completions import OpenAIServingCompletion
 from tokenmill.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
+from tokenmill.entrypoints.openai.tool_calls import load_tool_parser
 
 logger = logging.getLogger(__name__)
 
@@ -64,14 +65,19 @@ class APIKeyMiddleware:
 
 
 def build_app(
-    engine: AsyncLLM, served_model_names: list[str], api_key: str | None = None
+    engine: AsyncLLM,
+    served_model_names: list[str],
+    api_key: str | None = None,
+    tool_call_parser: str | None = None,
 ) -> FastAPI:
     """The FastAPI app serving ``engine`` under ``served_model_names`` (the first is the one
-    responses name); it shuts the engine down when the app stops."""
+    responses name); it shuts the engine down when the app stops. ``tool_call_parser``: the
+    registered tool parser that ``tool_choice="auto"`` uses; None refuses "auto"."""
     metrics = PrometheusMetrics(engine.get_stats, served_model_names[0])
     engine.stat_loggers.append(metrics)
     completions = OpenAIServingCompletion(engine, served_model_names)
-    chat = OpenAIServingChat(engine, served_model_names)
+    parser = load_tool_parser(tool_call_parser) if tool_call_parser else None
+    chat = OpenAIServingChat(engine, served_model_names, parser)
     tokenization = OpenAIServingTokenization(engine, served_model_names)
     root = engine.config.model_path
 

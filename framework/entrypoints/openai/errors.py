@@ -54,7 +54,7 @@ def from_exception(e: Exception, params: tuple[str, ...] = ()) -> OpenAIError:
     if isinstance(e, OpenAIError):
         return e
     if isinstance(e, ValueError):
-        first = str(e).split(" ", 1)[0]
+        first = str(e).split(" ", 1)[0].split(".", 1)[0]
         return OpenAIError(str(e), param=first if first in params else None)
     if isinstance(e, QueueFullError):
         return OpenAIError(

@@ -6,8 +6,10 @@ honour are accepted only at values that change nothing (see ``unsupported``)."""
 
 from __future__ import annotations
 
+import json
 import logging
 import time
+import uuid
 from typing import Any, Literal
 
 from pydantic import (
@@ -34,11 +36,6 @@ VLLM_UNIMPLEMENTED_DEFAULTS: dict[str, Any] = {
     "return_tokens_as_token_ids": None,
     "return_token_ids": None,
     "logits_processors": None,
-    "structured_outputs": None,
-    "guided_json": None,
-    "guided_regex": None,
-    "guided_choice": None,
-    "guided_grammar": None,
     "guided_decoding_backend": None,
     "guided_whitespace_pattern": None,
     "kv_transfer_params": None,
@@ -108,9 +105,30 @@ class UsageInfo(BaseModel):
         )
 
 
+class JsonSchemaFormat(OpenAIModel):
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+    model_config = ConfigDict(populate_by_name=True)
+
+
+class ResponseFormat(OpenAIModel):
+    """OpenAI's ``response_format``: plain text, any JSON object, or JSON that validates
+    against ``json_schema.schema``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class SamplingFields(OpenAIModel):
     """Sampling fields shared by both endpoints (vLLM's extensions included), and
-    ``cache_salt``: only requests with equal salts share prefix-cache blocks."""
+    ``cache_salt``: only requests with equal salts share prefix-cache blocks.
+
+    Structured outputs come from one of ``structured_outputs`` (vLLM's
+    ``StructuredOutputsParams`` fields), the legacy ``guided_json`` / ``guided_regex`` /
+    ``guided_choice`` / ``guided_grammar``, or ``response_format``."""
 
     model: str | None = None
     n: int = 1
@@ -136,6 +154,12 @@ class SamplingFields(OpenAIModel):
     prompt_logprobs: int | None = None
     user: str | None = None
     cache_salt: str | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    response_format: ResponseFormat | None = None
 
     model_config = ConfigDict(extra="allow")
 
@@ -178,21 +202,77 @@ class TextContentPart(OpenAIModel):
     text: str
 
 
+class FunctionCall(OpenAIModel):
+    name: str
+    arguments: str
+    """The arguments as a JSON text."""
+
+
+def tool_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+class ToolCall(OpenAIModel):
+    id: str = Field(default_factory=tool_call_id)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(OpenAIModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    refusal: str | None = None
 
-    def to_template_dict(self) -> dict[str, str]:
-        """The message as chat templates expect it: text parts joined into one string."""
+    def to_template_dict(self) -> dict[str, Any]:
+        """The message as chat templates expect it: text parts joined into one string, tool
+        call arguments as objects (as HF chat templates render them)."""
         content = self.content
         if isinstance(content, list):
             content = "\n".join(part.text for part in content)
-        message = {"role": self.role, "content": content or ""}
+        message: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            message["tool_calls"] = [_template_tool_call(c) for c in self.tool_calls]
         return message
+
+
+def _template_tool_call(call: ToolCall) -> dict[str, Any]:
+    try:
+        arguments = json.loads(call.function.arguments)
+    except json.JSONDecodeError:
+        arguments = call.function.arguments
+    return {
+        "id": call.id,
+        "type": "function",
+        "function": {"name": call.function.name, "arguments": arguments},
+    }
+
+
+class FunctionDefinition(OpenAIModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatCompletionToolsParam(OpenAIModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class FunctionName(OpenAIModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIModel):
+    type: Literal["function"] = "function"
+    function: FunctionName
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -202,22 +282,11 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool | None = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
+    tools: list[ChatCompletionToolsParam] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
-
-    def unsupported(self) -> dict[str, Any]:
-        out = super().unsupported()
-        if self.tools:
-            out["tools"] = self.tools
-        if self.tool_choice not in (None, "none", "auto"):
-            out["tool_choice"] = self.tool_choice
-        if self.response_format not in (None, {"type": "text"}):
-            out["response_format"] = self.response_format
-        return out
 
 
 class CompletionLogProbs(BaseModel):
@@ -275,7 +344,7 @@ class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     refusal: str | None = None
-    tool_calls: list[dict[str, Any]] = Field(default_factory=list)
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionResponseChoice(BaseModel):
@@ -298,15 +367,34 @@ class ChatCompletionResponse(BaseModel):
     """vLLM's extension: the prompt's ``Logprob``s by token id, when ``prompt_logprobs`` asks."""
 
 
-class DeltaMessage(BaseModel):
-    """A streamed message delta; unset fields are left out (the last chunk's is ``{}``)."""
-
-    role: Literal["assistant"] | None = None
-    content: str | None = None
+class _DropNone(BaseModel):
+    """Unset (None) fields are left out of the JSON."""
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaFunctionCall(_DropNone):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_DropNone):
+    """A streamed piece of tool call ``index``: the first carries its id, type and name."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
+class DeltaMessage(_DropNone):
+    """A streamed message delta; unset fields are left out (the last chunk's is ``{}``)."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatCompletionStreamChoice(BaseModel):

@@ -1,4 +1,5 @@
-"""``POST /v1/chat/completions``: the tokenizer's chat template, then one engine request."""
+"""``POST /v1/chat/completions``: the tokenizer's chat template, then one engine request;
+tool calls as ``tool_calls`` (see ``tool_calls``)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
-from tokenmill.engine.async_llm import RequestStream
+from tokenmill.engine.async_llm import AsyncLLM, RequestStream
 from tokenmill.entrypoints.openai.errors import OpenAIError, from_exception
 from tokenmill.entrypoints.openai.protocol import (
     ChatCompletionLogProbs,
@@ -22,43 +23,81 @@ from tokenmill.entrypoints.openai.protocol import (
     UsageInfo,
 )
 from tokenmill.entrypoints.openai.serving_engine import OpenAIServing
+from tokenmill.entrypoints.openai.structured_outputs import structured_outputs_of
+from tokenmill.entrypoints.openai.tool_calls import (
+    ToolCallStream,
+    extract,
+    finish_reason,
+    tool_constraint,
+    tool_mode,
+)
+from tokenmill.entrypoints.openai.tool_parsers.abstract_tool_parser import ToolParser
 from tokenmill.outputs import CompletionOutput
 from tokenmill.sampling_params import MAX_LOGPROBS
 
 
 class OpenAIServingChat(OpenAIServing):
+    """``tool_parser``: the parser of ``tool_choice="auto"`` outputs; None refuses "auto"."""
+
+    def __init__(
+        self,
+        engine: AsyncLLM,
+        served_model_names: list[str],
+        tool_parser: type[ToolParser] | None = None,
+    ) -> None:
+        super().__init__(engine, served_model_names)
+        self.tool_parser = tool_parser
+
     async def create_chat_completion(
         self, request: ChatCompletionRequest
     ) -> ChatCompletionResponse | AsyncIterator[str]:
         """The response, or for ``stream`` the server-sent events; raises ``OpenAIError``."""
         self.check_request(request)
+        mode = tool_mode(request, self.tool_parser)
+        parser = None
+        if mode == "auto":
+            assert self.tool_parser is not None
+            parser = self.tool_parser(self.engine.tokenizer)
+            request = parser.adjust_request(request)
+        constraint = tool_constraint(request, mode)
+        requested = structured_outputs_of(request)
+        if constraint is not None and requested is not None:
+            raise OpenAIError(
+                f"tool_choice={request.tool_choice!r} cannot be combined with structured outputs",
+                param="tool_choice",
+            )
         ids = self.tokenize(self._apply_chat_template(request), "messages")[1]
         max_tokens = request.max_completion_tokens
         if max_tokens is None:
             max_tokens = request.max_tokens
         self.check_context(len(ids), max_tokens)
-        params = self.sampling_params(request, max_tokens, self._num_logprobs(request))
+        params = self.sampling_params(
+            request, max_tokens, self._num_logprobs(request), constraint or requested
+        )
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await self.start(
             [(None, ids)], params, request_id, bool(request.stream), request.cache_salt
         )
         if request.stream:
-            return self._stream(request, request_id, len(ids), streams[0])
+            return self._stream(request, request_id, len(ids), streams[0], mode, parser)
         output = (await self.final_outputs(streams))[0]
         num_generated = sum(len(c.token_ids) for c in output.outputs)
+        choices = []
+        for c in output.outputs:
+            content, tool_calls = extract(request, mode, parser, c.text)
+            choices.append(
+                ChatCompletionResponseChoice(
+                    index=c.index,
+                    message=ChatResponseMessage(content=content, tool_calls=tool_calls),
+                    logprobs=self._logprobs(request, c),
+                    finish_reason=finish_reason(mode, bool(tool_calls), c.finish_reason),
+                    stop_reason=c.stop_reason,
+                )
+            )
         return ChatCompletionResponse(
             id=request_id,
             model=self.model_name,
-            choices=[
-                ChatCompletionResponseChoice(
-                    index=c.index,
-                    message=ChatResponseMessage(content=c.text),
-                    logprobs=self._logprobs(request, c),
-                    finish_reason=c.finish_reason,
-                    stop_reason=c.stop_reason,
-                )
-                for c in output.outputs
-            ],
+            choices=choices,
             usage=UsageInfo.of(len(ids), num_generated, output.num_cached_tokens),
             prompt_logprobs=output.prompt_logprobs,
         )
@@ -69,9 +108,13 @@ class OpenAIServingChat(OpenAIServing):
             raise OpenAIError("this model has no tokenizer, so it has no chat template")
         if not request.messages:
             raise OpenAIError("messages must not be empty", param="messages")
+        tools = None
+        if request.tools and request.tool_choice != "none":
+            tools = [t.model_dump(exclude_none=True) for t in request.tools]
         try:
             ids = tokenizer.apply_chat_template(
                 [m.to_template_dict() for m in request.messages],
+                tools=tools,
                 add_generation_prompt=request.add_generation_prompt,
                 tokenize=True,
                 return_dict=False,
@@ -98,8 +141,11 @@ class OpenAIServingChat(OpenAIServing):
         request_id: str,
         num_prompt: int,
         stream: RequestStream,
+        mode: str | None,
+        parser: ToolParser | None,
     ) -> AsyncIterator[str]:
         created = int(time.time())
+        tool_streams = [ToolCallStream(request, mode, parser, i) for i in range(request.n)]
 
         def chunk(choices: list[ChatCompletionStreamChoice], usage: UsageInfo | None = None) -> str:
             body = ChatCompletionStreamResponse(
@@ -122,15 +168,19 @@ class OpenAIServingChat(OpenAIServing):
                 num_cached = output.num_cached_tokens
                 for c in output.outputs:
                     num_generated += len(c.token_ids)
-                    if not (c.text or c.finish_reason or c.logprobs):
+                    tool_stream = tool_streams[c.index]
+                    delta = tool_stream.delta(c.text)
+                    if not (delta or c.finish_reason or c.logprobs):
                         continue
                     yield chunk(
                         [
                             ChatCompletionStreamChoice(
                                 index=c.index,
-                                delta=DeltaMessage(content=c.text) if c.text else DeltaMessage(),
+                                delta=delta or DeltaMessage(),
                                 logprobs=self._logprobs(request, c),
-                                finish_reason=c.finish_reason,
+                                finish_reason=finish_reason(
+                                    mode, tool_stream.num_calls > 0, c.finish_reason
+                                ),
                                 stop_reason=c.stop_reason,
                             )
                         ]

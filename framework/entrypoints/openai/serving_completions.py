@@ -17,6 +17,7 @@ from tokenmill.entrypoints.openai.protocol import (
     UsageInfo,
 )
 from tokenmill.entrypoints.openai.serving_engine import OpenAIServing, merge_streams
+from tokenmill.entrypoints.openai.structured_outputs import structured_outputs_of
 from tokenmill.logprobs import Logprob, PromptLogprobs
 from tokenmill.outputs import CompletionOutput
 
@@ -32,7 +33,9 @@ class OpenAIServingCompletion(OpenAIServing):
         prompts = [self.tokenize(p, "prompt") for p in _split_prompts(request.prompt)]
         for _, ids in prompts:
             self.check_context(len(ids), request.max_tokens)
-        params = self.sampling_params(request, request.max_tokens, request.logprobs)
+        params = self.sampling_params(
+            request, request.max_tokens, request.logprobs, structured_outputs_of(request)
+        )
         if request.echo and request.logprobs is not None:
             params.prompt_logprobs = max(params.prompt_logprobs or 0, request.logprobs)
         request_id = f"cmpl-{uuid.uuid4().hex}"

@@ -12,7 +12,7 @@ from tokenmill.engine.output_processor import RequestOutputKind
 from tokenmill.entrypoints.openai.errors import OpenAIError, from_exception, model_not_found
 from tokenmill.entrypoints.openai.protocol import SamplingFields
 from tokenmill.outputs import RequestOutput
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
 
 SAMPLING_FIELDS = (
     "n",
@@ -37,7 +37,14 @@ SAMPLING_FIELDS = (
 )
 """Request fields passed to ``SamplingParams`` under the same name, when set."""
 
-PARAM_NAMES = SAMPLING_FIELDS + ("max_tokens", "logprobs", "prompt", "messages", "cache_salt")
+PARAM_NAMES = SAMPLING_FIELDS + (
+    "max_tokens",
+    "logprobs",
+    "prompt",
+    "messages",
+    "cache_salt",
+    "structured_outputs",
+)
 
 
 class OpenAIServing:
@@ -67,7 +74,11 @@ class OpenAIServing:
             )
 
     def sampling_params(
-        self, request: SamplingFields, max_tokens: int | None, logprobs: int | None
+        self,
+        request: SamplingFields,
+        max_tokens: int | None,
+        logprobs: int | None,
+        structured_outputs: StructuredOutputsParams | None = None,
     ) -> SamplingParams:
         """``SamplingParams`` from the request; an invalid value is a 400 naming the field."""
         kwargs: dict[str, Any] = {
@@ -76,7 +87,12 @@ class OpenAIServing:
             if getattr(request, name) is not None
         }
         try:
-            return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **kwargs)
+            return SamplingParams(
+                max_tokens=max_tokens,
+                logprobs=logprobs,
+                structured_outputs=structured_outputs,
+                **kwargs,
+            )
         except ValueError as e:
             raise from_exception(e, PARAM_NAMES) from None
 

@@ -1,0 +1,94 @@
+"""Structured outputs in the engine core (vLLM's ``StructuredOutputManager``).
+
+Constraints are compiled in a worker thread, so the engine loop keeps stepping while a new
+request's grammar compiles; the engine core holds such a request back until its matcher is
+ready. Each step, one bitmask row is filled for every scheduled request that samples and has
+a constraint, and the model runner masks those rows' logits before sampling. Sampled tokens
+then advance the matchers, and a request whose constraint terminates finishes.
+
+xgrammar is imported only when the first constrained request arrives."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from tokenmill.sampling_params import StructuredOutputsParams
+from tokenmill.structured_output.request import StructuredOutputRequest
+
+if TYPE_CHECKING:
+    from tokenmill.config import EngineConfig
+    from tokenmill.core.request import Request
+    from tokenmill.structured_output.backend_types import StructuredOutputBackend
+
+logger = logging.getLogger(__name__)
+
+
+def backend_class() -> type[StructuredOutputBackend]:
+    """The structured-output backend (xgrammar)."""
+    from tokenmill.structured_output.backend_xgrammar import XgrammarBackend
+
+    return XgrammarBackend
+
+
+def validate_structured_outputs(params: StructuredOutputsParams) -> None:
+    """Raise ``ValueError`` naming the problem if the constraint does not compile."""
+    backend_class().validate(params)
+
+
+class StructuredOutputManager:
+    """Compiles the constraints of one engine core's requests and builds each step's bitmask."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self._backend: StructuredOutputBackend | None = None
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+
+    def grammar_init(self, request: Request) -> None:
+        """Start compiling the request's constraint in the background."""
+        params = request.sampling_params.structured_outputs
+        assert params is not None
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="tokenmill-grammar"
+            )
+        future = self._executor.submit(self._compile, params)
+        request.structured_output_request = StructuredOutputRequest(params, future)
+
+    def _compile(self, params: StructuredOutputsParams):
+        if self._backend is None:
+            from tokenmill.engine.input_processor import load_tokenizer
+
+            path = self.config.tokenizer or self.config.model_path
+            tokenizer = load_tokenizer(path)
+            if tokenizer is None:
+                raise ValueError(f"structured outputs need a tokenizer and {path} has none")
+            self._backend = backend_class()(tokenizer, self.config.hf_config.vocab_size)
+        return self._backend.compile_grammar(params)
+
+    def grammar_bitmask(self, requests: Iterable[Request]) -> tuple[list[str], np.ndarray] | None:
+        """The ids and bitmask rows of the constrained requests among ``requests`` (those
+        that sample this step); None when there are none."""
+        constrained = [r for r in requests if r.structured_output_request is not None]
+        if not constrained:
+            return None
+        assert self._backend is not None
+        bitmask = self._backend.allocate_token_bitmask(len(constrained))
+        for i, request in enumerate(constrained):
+            request.structured_output_request.grammar.fill_bitmask(bitmask, i)
+        return [r.request_id for r in constrained], bitmask.numpy()
+
+    def accept_tokens(self, request: Request, token_ids: list[int]) -> bool:
+        """Advance the request's matcher; return whether its constraint has terminated."""
+        grammar = request.structured_output_request.grammar
+        if not grammar.accept_tokens(request.request_id, token_ids):
+            logger.error(
+                "request %s: the grammar rejected tokens %s it had allowed",
+                request.request_id,
+                token_ids,
+            )
+        return grammar.is_terminated()
