@@ -4,6 +4,7 @@ proposer and scheduling feature, and random sampling keeps the target's distribu
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 import torch
@@ -275,3 +276,22 @@ def test_cli_speculative_config_is_a_json_object(capsys):
         with pytest.raises(SystemExit):
             parser.parse_args(["generate", "hi", "--speculative-config", bad])
     assert "--speculative-config" in capsys.readouterr().err
+
+
+def test_structured_output_requests_are_not_drafted_for(default_tokenizer):
+    """A constrained request under speculation keeps its constraint (it gets no drafts: the
+    grammar mask covers one position per step); an unconstrained one beside it still drafts."""
+    from tokenmill import StructuredOutputsParams
+
+    text = DEFAULT_TEXTS[1]
+    spec = {"method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 4,
+            "num_speculative_tokens": 3, "disable_by_batch_size": 0}
+    llm = LLM(max_model_len=256, num_kv_blocks=256, speculative_config=spec)
+    constrained = SamplingParams(
+        temperature=0, max_tokens=16, structured_outputs=StructuredOutputsParams(regex=r"[a-z]{3,8}")
+    )
+    out = llm.generate([text], constrained, use_tqdm=False)[0].outputs[0].text
+    assert re.fullmatch(r"[a-z]{3,8}", out), out
+    assert llm.get_stats()["spec_num_drafts"] == 0
+    llm.generate([text], DEFAULT_GREEDY, use_tqdm=False)
+    assert llm.get_stats()["spec_num_drafts"] > 0

@@ -116,7 +116,8 @@ def propose(
     step: TargetStep | None,
 ) -> dict[str, list[int]]:
     """Drafts for the requests that sampled and may speculate: not those with penalties (their
-    logits depend on every earlier token) nor those still under ``min_tokens``."""
+    logits depend on every earlier token), those still under ``min_tokens``, nor those under a
+    structured-output constraint (its mask is built for one position per step)."""
     batch = runner.batch
     assert batch is not None
     k = proposer.spec.num_speculative_tokens
@@ -129,6 +130,8 @@ def propose(
             if batch.uses_penalties[state.row] or num_tokens + k >= max_len:
                 continue
             if num_tokens - state.num_prompt_tokens < state.sampling_params.min_tokens:
+                continue
+            if state.sampling_params.structured_outputs is not None:
                 continue
             eligible.append(req_id)
     if not eligible and not proposer.uses_target_step:
