@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import math
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any
 
@@ -124,7 +124,9 @@ class SamplingParams:
             by it where positive and multiplied by it where negative (1 = off).
         logit_bias: token id -> bias added to its logit.
         allowed_token_ids: only these token ids may be sampled.
-        bad_words: not implemented yet; a non-empty list raises ``ValueError``.
+        bad_words: words never to generate (vLLM's semantics): each is tokenized with and
+            without a leading space, and a word's last token is banned wherever the output
+            ends with the tokens before it.
         structured_outputs: constrain the output to a JSON schema, regex, choice or grammar.
 
     Greedy requests (temperature 0) ignore ``top_p``, ``top_k`` and ``min_p``, which are
@@ -153,6 +155,8 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    bad_words_token_ids: list[list[int]] | None = field(default=None, init=False)
+    """``bad_words`` tokenized, set by ``update_from_tokenizer``."""
 
     def __post_init__(self) -> None:
         self.n = _check_int("n", self.n, minimum=1)
@@ -201,8 +205,11 @@ class SamplingParams:
             self.allowed_token_ids = _check_token_ids("allowed_token_ids", self.allowed_token_ids)
             if not self.allowed_token_ids:
                 raise ValueError("allowed_token_ids must not be empty")
-        if self.bad_words:
-            raise ValueError("bad_words is not implemented yet")
+        if self.bad_words is not None and (
+            not isinstance(self.bad_words, list)
+            or not all(isinstance(w, str) and w.strip() for w in self.bad_words)
+        ):
+            raise ValueError(f"bad_words must be a list of non-empty strings, got {self.bad_words!r}")
         self.stop_token_ids = _normalise_stop_token_ids(self.stop_token_ids)
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = _structured_outputs_from_dict(self.structured_outputs)
@@ -265,6 +272,20 @@ class SamplingParams:
         eos_ids = [eos_ids] if _is_int(eos_ids) else list(eos_ids)
         extra = [int(i) for i in eos_ids if i != model_eos_token_id]
         self.stop_token_ids = list(dict.fromkeys(self.stop_token_ids + extra))
+
+    def update_from_tokenizer(self, tokenizer: Any) -> None:
+        """Tokenize ``bad_words`` into ``bad_words_token_ids`` as vLLM does: each word as
+        given (stripped of leading spaces) and with one leading space, the latter only when it
+        tokenizes to as many tokens with a different first one."""
+        if not self.bad_words:
+            return
+        self.bad_words_token_ids = []
+        for word in self.bad_words:
+            plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            self.bad_words_token_ids.append(plain)
+            spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            if len(spaced) == len(plain) and spaced[0] != plain[0]:
+                self.bad_words_token_ids.append(spaced)
 
     def clone(self) -> SamplingParams:
         """A deep copy, so per-request changes never touch a params object shared by a batch."""

@@ -146,3 +146,35 @@ def test_greedy_under_repetition_penalty_matches_hf(default_model_dir, hf_defaul
             do_sample=False, repetition_penalty=1.3, pad_token_id=default_tokenizer.eos_token_id,
         )[0, ids.shape[1]:].tolist()
         assert out.outputs[0].token_ids == ref, prompt
+
+
+def test_bad_words_are_never_generated(default_model_dir, default_tokenizer):
+    """A one-token bad word is never sampled (the runner-up takes its place); of a two-token
+    one, the second token is banned right after the first."""
+    llm = LLM(default_model_dir, num_kv_blocks=128, max_model_len=256)
+    prompt = "The capital of France is"
+    greedy = SamplingParams(temperature=0, max_tokens=8, logprobs=2)
+    ref = llm.generate([prompt], greedy, use_tqdm=False)[0].outputs[0]
+    first, second = ref.token_ids[:2]
+    runner_up = next(t for t, lp in ref.logprobs[0].items() if lp.rank == 2)
+
+    word = default_tokenizer.decode([first])
+    assert default_tokenizer.encode(word.lstrip(), add_special_tokens=False) == [first] or \
+        default_tokenizer.encode(" " + word.lstrip(), add_special_tokens=False) == [first]
+    banned = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, bad_words=[word]), use_tqdm=False)
+    ids = banned[0].outputs[0].token_ids
+    assert first not in ids and ids[0] == runner_up
+
+    pair = default_tokenizer.decode([first, second])
+    pair_ids = [default_tokenizer.encode(w, add_special_tokens=False) for w in (pair.lstrip(), " " + pair.lstrip())]
+    assert [first, second] in pair_ids, "the two tokens re-tokenize as themselves"
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, bad_words=[pair]), use_tqdm=False)
+    ids = out[0].outputs[0].token_ids
+    assert ids[0] == first and ids[1] != second
+    stats = llm.get_stats()
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
+def test_bad_words_need_a_tokenizer(tiny):
+    with pytest.raises(ValueError, match="bad_words need a tokenizer"):
+        tiny.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(bad_words=["x"]), use_tqdm=False)

@@ -136,7 +136,8 @@ def test_update_from_generation_config_adds_the_other_eos_ids():
         ({"logit_bias": {1: float("inf")}}, "logit_bias"),
         ({"allowed_token_ids": []}, "allowed_token_ids"),
         ({"allowed_token_ids": [1, -2]}, "allowed_token_ids"),
-        ({"bad_words": ["foo"]}, "bad_words"),
+        ({"bad_words": [" "]}, "bad_words"),
+        ({"bad_words": "foo"}, "bad_words"),
     ],
 )
 def test_invalid_penalties_and_biases_name_the_field(kwargs, field):

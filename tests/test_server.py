@@ -323,7 +323,7 @@ def test_32_concurrent_requests(server):
         ({"prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias"),
         ({"prompt": "hi", "logit_bias": {"60000": 1}}, "logit_bias"),
         ({"prompt": "hi", "allowed_token_ids": [60000]}, "allowed_token_ids"),
-        ({"prompt": "hi", "bad_words": ["no"]}, "bad_words"),
+        ({"prompt": "hi", "bad_words": [""]}, "bad_words"),
         ({"prompt": "hi", "use_beam_search": True}, "use_beam_search"),
         ({"prompt": "hi", "prompt_logprobs": 50}, "prompt_logprobs"),
         ({"prompt": "hi", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),

@@ -125,6 +125,8 @@ class InputProcessor:
                 "stop strings need a tokenizer and this model has none; use stop_token_ids"
             )
         params.check_token_ids(self.vocab_size)
+        if params.bad_words and self.tokenizer is None:
+            raise ValueError("bad_words need a tokenizer and this model has none")
         if params.structured_outputs is not None:
             if self.tokenizer is None:
                 raise ValueError("structured_outputs need a tokenizer and this model has none")
@@ -132,6 +134,7 @@ class InputProcessor:
         text, ids = self.tokenize_prompt(prompt)
         params = params.clone()
         params.update_from_generation_config(self.generation_config, self.eos_token_id)
+        params.update_from_tokenizer(self.tokenizer)
         cache_salt = prompt_cache_salt(prompt)
         arrival_time = arrival_time or time.monotonic()
         max_tokens = params.max_tokens or self.max_model_len - len(ids)

@@ -368,9 +368,16 @@ class ModelRunner:
                 generators[i] = state.generator
             if params.logprobs is not None:
                 max_logprobs = max(max_logprobs or 0, params.logprobs)
-            num_output = batch.num_tokens[state.row] - state.num_prompt_tokens
+            num_tokens = batch.num_tokens[state.row]
+            num_output = num_tokens - state.num_prompt_tokens
+            banned = []
             if num_output < params.min_tokens and state.min_tokens_suppress:
-                suppress[i] = state.min_tokens_suppress
+                banned += state.min_tokens_suppress
+            if params.bad_words_token_ids:
+                output = batch.token_ids[state.row, state.num_prompt_tokens : num_tokens]
+                banned += _bad_word_ends(params.bad_words_token_ids, output)
+            if banned:
+                suppress[i] = banned
             if params.logit_bias:
                 bias_rows += [i] * len(params.logit_bias)
                 bias_ids += params.logit_bias.keys()
@@ -458,6 +465,17 @@ def _sliding_window(hf_config) -> int | None:
     if layer_types is not None and "sliding_attention" not in layer_types:
         return None
     return getattr(hf_config, "sliding_window", None)
+
+
+def _bad_word_ends(bad_words: list[list[int]], output: np.ndarray) -> list[int]:
+    """The last token of each bad word whose other tokens end ``output`` (vLLM's rule: only
+    generated tokens count)."""
+    ends = []
+    for word in bad_words:
+        prefix = word[:-1]
+        if len(prefix) <= len(output) and (not prefix or output[len(output) - len(prefix) :].tolist() == prefix):
+            ends.append(word[-1])
+    return ends
 
 
 def _min_tokens_suppress(params: SamplingParams, eos_token_id: int | None) -> list[int]:

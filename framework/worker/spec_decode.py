@@ -116,8 +116,9 @@ def propose(
     step: TargetStep | None,
 ) -> dict[str, list[int]]:
     """Drafts for the requests that sampled and may speculate: not those with penalties (their
-    logits depend on every earlier token), those still under ``min_tokens``, nor those under a
-    structured-output constraint (its mask is built for one position per step)."""
+    logits depend on every earlier token) or bad words (their bans depend on the tokens before),
+    those still under ``min_tokens``, nor those under a structured-output constraint (its mask is
+    built for one position per step)."""
     batch = runner.batch
     assert batch is not None
     k = proposer.spec.num_speculative_tokens
@@ -131,7 +132,8 @@ def propose(
                 continue
             if num_tokens - state.num_prompt_tokens < state.sampling_params.min_tokens:
                 continue
-            if state.sampling_params.structured_outputs is not None:
+            params = state.sampling_params
+            if params.structured_outputs is not None or params.bad_words_token_ids:
                 continue
             eligible.append(req_id)
     if not eligible and not proposer.uses_target_step:
