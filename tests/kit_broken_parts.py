@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import torch
 
 from tokenmill.attention_backends.torch_ref import TorchRefBackend, TorchRefImpl
 from tokenmill.interfaces import AttentionConfig
+from tokenmill.interfaces.proposer import Proposal, Proposer
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.platforms.cpu import CpuPlatform
 
@@ -68,3 +70,16 @@ class RopeOffByOne(LlamaForCausalLM):
 
     def forward(self, input_ids, positions):
         return super().forward(input_ids, torch.where(positions > 0, positions + 1, positions))
+
+
+class CorruptingProposer(Proposer):
+    """Drafts nothing but writes into the shared input batch: it replaces each request's
+    newest token, which the next step feeds to the model."""
+
+    def propose(self, batch):
+        tokens = batch.input_batch.token_ids
+        for row in batch.rows:
+            last = batch.input_batch.num_tokens[row] - 1
+            tokens[row, last] = (tokens[row, last] + 1) % 256
+        k = batch.num_speculative_tokens
+        return Proposal(np.zeros((len(batch.rows), k), dtype=np.int64), np.zeros(len(batch.rows), dtype=np.int64))

@@ -19,6 +19,7 @@ plugins.register_attention_backend("wrong-slot", "kit_broken_parts:WrongSlotBack
 plugins.register_attention_backend("no-gqa", "kit_broken_parts:NoGqaBackend")
 plugins.register_platform("unregistered-candidate", "kit_broken_parts:UnregisteredCandidatePlatform")
 plugins.register_model("LlamaForCausalLM", "kit_broken_parts:RopeOffByOne")
+plugins.register_proposer("corrupting", "kit_broken_parts:CorruptingProposer")
 """
 
 
@@ -70,6 +71,7 @@ def test_first_party_cpu_parts_pass(tmp_path):
         "--tokenmill-backend", "torch", "--tokenmill-backend", "cpu_sdpa",
         "--tokenmill-platform", "cpu",
         *models,
+        "--tokenmill-proposer", "ngram", "--tokenmill-proposer", "draft_model",
         pythonpath=[TESTS],
     )
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
@@ -83,16 +85,28 @@ def test_first_party_cpu_parts_pass(tmp_path):
         "model 'Qwen2ForCausalLM'": "5 of 5 contract points passed",
         "model 'DeepseekV2ForCausalLM'": "5 of 5 contract points passed",
         "model 'DeepseekV3ForCausalLM'": "5 of 5 contract points passed",
+        "proposer 'ngram'": "4 of 4 contract points passed",
+        "proposer 'draft_model'": "4 of 4 contract points passed",
     }, result.stdout[-4000:]
 
 
+CORPUS_CONFTEST = """
+def pytest_tokenmill_speculative_config(method, model_path, prompts):
+    if method == "corpus-lookup":
+        return {"method": method, "corpus_token_ids": prompts, "lookup_len": 2}
+"""
+"""The example's ``corpus-lookup`` proposer needs a corpus: the kit's own prompts."""
+
+
 def test_example_plugin_passes(tmp_path, example_plugin_site):
+    (tmp_path / "conftest.py").write_text(CORPUS_CONFTEST)
     result = run_kit(tmp_path, "--tokenmill-plugin", "example", pythonpath=[example_plugin_site])
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
     assert summary(result.stdout) == {
         "attention backend 'example-hnd'": "6 of 6 contract points passed",
         "platform 'example'": "5 of 5 contract points passed",
         "model 'GPT2LMHeadModel'": "5 of 5 contract points passed",
+        "proposer 'corpus-lookup'": "4 of 4 contract points passed",
     }, result.stdout[-4000:]
 
 
@@ -116,6 +130,7 @@ def test_broken_parts_fail_at_their_contract_point(tmp_path):
         "--tokenmill-backend", "wrong-slot", "--tokenmill-backend", "no-gqa",
         "--tokenmill-platform", "unregistered-candidate",
         "--tokenmill-model", "LlamaForCausalLM",
+        "--tokenmill-proposer", "corrupting",
         pythonpath=[TESTS],
     )
     out = result.stdout
@@ -130,12 +145,16 @@ def test_broken_parts_fail_at_their_contract_point(tmp_path):
         "test_candidates_are_registered_backends[unregistered-candidate]",
         "test_greedy_equals_cpu_platform[unregistered-candidate]",
         "test_greedy_matches_transformers[LlamaForCausalLM]",
+        "test_greedy_unchanged[corrupting-plain]",
+        "test_greedy_unchanged[corrupting-chunked-prefill]",
+        "test_greedy_unchanged[corrupting-preemption]",
     }, out[-6000:]
     for message in (
         "the cache differs from the reference after the K/V writes",
         "attention output differs from the reference backend",
         "name unregistered backend(s) ['no-such-backend']",
         "greedy tokens differ from transformers on prompt 0",
+        "changed the greedy tokens of prompt",
     ):
         assert message in out, message
     report = summary(out)

@@ -1,9 +1,10 @@
 """The conformance kit's pytest plugin (entry point ``pytest11``: active wherever tokenmill is
 installed, inert unless one of its options is given).
 
-``pytest --tokenmill-plugin NAME`` checks every platform, attention backend and model that
-the ``tokenmill.plugins`` entry point ``NAME`` registers; ``--tokenmill-backend``,
-``--tokenmill-platform`` and ``--tokenmill-model`` pick single parts (each may repeat). The
+``pytest --tokenmill-plugin NAME`` checks every platform, attention backend, model and
+speculative-decoding proposer that the ``tokenmill.plugins`` entry point ``NAME`` registers;
+``--tokenmill-backend``, ``--tokenmill-platform``, ``--tokenmill-model`` and
+``--tokenmill-proposer`` pick single parts (each may repeat). The
 suites are the ``suite_*`` modules next to this one, one test per contract point; without
 explicit test paths only they run. A summary lists each part's contract points."""
 
@@ -19,10 +20,16 @@ SUITES = {
     "attention_backends": ("tokenmill.testing.suite_backend", "tokenmill_backend", "--tokenmill-backend"),
     "platforms": ("tokenmill.testing.suite_platform", "tokenmill_platform", "--tokenmill-platform"),
     "models": ("tokenmill.testing.suite_model", "tokenmill_model", "--tokenmill-model"),
+    "proposers": ("tokenmill.testing.suite_proposer", "tokenmill_proposer", "--tokenmill-proposer"),
 }
 """kind -> (suite module, the fixture naming the part under test, the option picking one)."""
 
-LABELS = {"attention_backends": "attention backend", "platforms": "platform", "models": "model"}
+LABELS = {
+    "attention_backends": "attention backend",
+    "platforms": "platform",
+    "models": "model",
+    "proposers": "proposer",
+}
 
 
 class KitHooks:
@@ -33,6 +40,12 @@ class KitHooks:
         """Save a tiny random checkpoint of architecture ``arch`` (``config.json`` and
         safetensors) under ``path`` and return the directory; None leaves it to the kit, which
         builds one with transformers when transformers knows ``arch``."""
+
+    @pytest.hookspec(firstresult=True)
+    def pytest_tokenmill_speculative_config(self, method: str, model_path: Path, prompts: list[list[int]]) -> dict | None:
+        """The ``speculative_config`` to check proposer ``method`` with, on the tiny Llama at
+        ``model_path`` and these prompts (token ids); None leaves it to the kit:
+        ``{"method": method}`` (with the target as its own draft for ``draft_model``)."""
 
 
 @dataclass
