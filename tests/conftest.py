@@ -122,19 +122,9 @@ def make_tiny_checkpoint(path, arch: str = "llama", **overrides) -> str:
     """Save a tiny random HF model (no tokenizer) under ``path`` and return the dir."""
     import transformers
 
-    common = dict(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        initializer_range=0.2,
-        eos_token_id=None,
-        bos_token_id=None,
-        pad_token_id=None,
-    )
+    from tokenmill.testing.checkpoints import TINY_CONFIG
+
+    common = dict(TINY_CONFIG, max_position_embeddings=1024)
     common.update(overrides)
     config_cls, model_cls = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
