@@ -52,25 +52,11 @@ def random_batch(
         pos = torch.arange(c, s)
         slots.append(block_table[i, pos // block_size].long() * block_size + pos % block_size)
     num_tokens = sum(query_lens)
-    qsl = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
-    seq = torch.tensor(seq_lens, dtype=torch.int32)
 
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
 
-    common = CommonAttentionMetadata(
-        query_start_loc=qsl.to(device),
-        query_start_loc_cpu=qsl,
-        seq_lens=seq.to(device),
-        seq_lens_cpu=seq,
-        num_computed_tokens_cpu=torch.tensor(context_lens, dtype=torch.int32),
-        block_table=block_table.to(device),
-        slot_mapping=torch.cat(slots).to(device),
-        num_reqs=len(seq_lens),
-        num_actual_tokens=num_tokens,
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-    )
+    common = _metadata(query_lens, context_lens, block_table, slots, device)
     return PagedBatch(
         randn(num_tokens, num_heads, head_size),
         randn(num_tokens, num_kv_heads, head_size),
@@ -136,6 +122,33 @@ MIXED_SHAPES = [
 ]
 
 
+def _metadata(
+    query_lens: list[int],
+    context_lens: list[int],
+    block_table: torch.Tensor,
+    slots: list[torch.Tensor],
+    device: str | torch.device,
+) -> CommonAttentionMetadata:
+    """The metadata of requests scheduling ``query_lens`` new tokens on ``context_lens`` cached
+    ones, whose new tokens go to ``slots``."""
+    seq_lens = [q + c for q, c in zip(query_lens, context_lens)]
+    qsl = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    seq = torch.tensor(seq_lens, dtype=torch.int32)
+    return CommonAttentionMetadata(
+        query_start_loc=qsl.to(device),
+        query_start_loc_cpu=qsl,
+        seq_lens=seq.to(device),
+        seq_lens_cpu=seq,
+        num_computed_tokens_cpu=torch.tensor(context_lens, dtype=torch.int32),
+        block_table=block_table.to(device),
+        slot_mapping=torch.cat(slots).to(device),
+        num_reqs=len(query_lens),
+        num_actual_tokens=sum(query_lens),
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+    )
+
+
 def context_fill(batch: PagedBatch, seed: int = 1) -> PagedBatch:
     """The step that writes ``batch``'s cached context itself: each request with a context
     prefills it as new tokens (random Q/K/V) over the same block table, so a backend's cache
@@ -151,8 +164,6 @@ def context_fill(batch: PagedBatch, seed: int = 1) -> PagedBatch:
         for j, n in enumerate(lens)
     ]
     device, dtype = batch.query.device, batch.query.dtype
-    qsl = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
-    seq = torch.tensor(lens, dtype=torch.int32)
     num_tokens = sum(lens)
     gen = torch.Generator().manual_seed(seed)
     heads, head_size = batch.query.shape[1:]
@@ -161,19 +172,7 @@ def context_fill(batch: PagedBatch, seed: int = 1) -> PagedBatch:
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
 
-    fill = CommonAttentionMetadata(
-        query_start_loc=qsl.to(device),
-        query_start_loc_cpu=qsl,
-        seq_lens=seq.to(device),
-        seq_lens_cpu=seq,
-        num_computed_tokens_cpu=torch.zeros(len(rows), dtype=torch.int32),
-        block_table=block_table.to(device),
-        slot_mapping=torch.cat(slots).to(device),
-        num_reqs=len(rows),
-        num_actual_tokens=num_tokens,
-        max_query_len=max(lens),
-        max_seq_len=max(lens),
-    )
+    fill = _metadata(lens, [0] * len(lens), block_table, slots, device)
     return PagedBatch(
         randn(num_tokens, heads, head_size),
         randn(num_tokens, kv_heads, head_size),
