@@ -30,7 +30,7 @@ from tokenmill import envs
 
 logger = logging.getLogger(__name__)
 
-SOURCES = ("attention.c", "norm.c", "activation.c", "rotary.c")
+SOURCES = ("attention.c", "norm.c", "activation.c", "rotary.c", "gguf.c")
 FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 # TOKENMILL_CPU_ISA: the compiler's instruction-set flags and the /proc/cpuinfo flags they need.
 ISA_FLAGS: dict[str, tuple[list[str], tuple[str, ...]]] = {
@@ -48,6 +48,8 @@ SIGNATURES = {
     "fused_add_rms_norm": [_PTR, _PTR, _PTR, _I64, _I64, _F32, _INT],
     "silu_and_mul": [_PTR, _PTR, _I64, _I64, _INT],
     "rotary_embedding": [_PTR, _PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _INT, _INT],
+    "gguf_matmul": [_INT, _PTR, _I64, _PTR, _I64, _I64, _PTR, _I64, _INT],
+    "gguf_dequantize": [_INT, _PTR, _I64, _I64, _I64, _PTR, _INT],
 }
 
 
