@@ -34,7 +34,7 @@ def test_avx2_build_is_cached_apart_and_matches_torch(fresh_load, tmp_path, monk
 
 
 def test_isa_flags():
-    assert cpu_ops.ISA_FLAGS["avx2"][0] == ["-mavx2", "-mfma"]
+    assert cpu_ops.ISA_FLAGS["avx2"][0] == ["-mavx2", "-mfma", "-mf16c"]
     assert cpu_ops.ISA_FLAGS["native"][0] == ["-march=native"]
 
 

@@ -10,7 +10,7 @@
    result is the float product with the dequantized weights, up to the order of the sums.
    Output rows in parallel. */
 #include "vec.h"
-#if defined(__AVX2__)
+#if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -20,6 +20,9 @@ enum { GGUF_Q4_0 = 2, GGUF_Q4_1 = 3, GGUF_Q8_0 = 8 };
 static inline float f16_to_f32(const uint8_t *p) {
     uint16_t h;
     memcpy(&h, p, 2);
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
     /* Exponent rebias by a multiply, which also normalises subnormals (F. Giesen's method). */
     union { uint32_t u; float f; } o = {(uint32_t)(h & 0x7fff) << 13}, magic = {(254u - 15u) << 23},
                                      infnan = {(127u + 16u) << 23};
@@ -27,6 +30,7 @@ static inline float f16_to_f32(const uint8_t *p) {
     if (o.f >= infnan.f) o.u |= 255u << 23;
     o.u |= (uint32_t)(h & 0x8000) << 16;
     return o.f;
+#endif
 }
 
 static inline int64_t block_bytes(int type) {
@@ -93,27 +97,22 @@ static inline __attribute__((always_inline)) void dot_rows(
     for (int t = 0; t < nt; ++t) y[t * ldy] = hsum(acc[t]) + macc[t];
 }
 
-/* One type's rows o in [0, N): y[t, o] for all T rows of x, in groups of up to 8 rows of x
-   (each block is widened once per group). */
-static inline __attribute__((always_inline)) void matmul_type(
-    int type, const uint8_t *w, int64_t row_bytes, const float *x, int64_t T, int64_t K,
-    const float *xsum, float *y, int64_t N, int nthreads) {
-    #pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t o = 0; o < N; ++o) {
-        const uint8_t *row = w + o * row_bytes;
-        for (int64_t t0 = 0; t0 < T; t0 += 8) {
-            const float *xt = x + t0 * K, *st = xsum + t0 * (K / QK);
-            float *yt = y + t0 * N + o;
-            switch (T - t0 >= 8 ? 8 : (int)(T - t0)) {
-                case 8: dot_rows(type, row, xt, K, st, 8, yt, N); break;
-                case 7: dot_rows(type, row, xt, K, st, 7, yt, N); break;
-                case 6: dot_rows(type, row, xt, K, st, 6, yt, N); break;
-                case 5: dot_rows(type, row, xt, K, st, 5, yt, N); break;
-                case 4: dot_rows(type, row, xt, K, st, 4, yt, N); break;
-                case 3: dot_rows(type, row, xt, K, st, 3, yt, N); break;
-                case 2: dot_rows(type, row, xt, K, st, 2, yt, N); break;
-                default: dot_rows(type, row, xt, K, st, 1, yt, N); break;
-            }
+/* y[t, o] for all T rows of x, in groups of up to 8 rows of x (each block is widened once per
+   group). */
+static inline __attribute__((always_inline)) void matmul_row(
+    int type, const uint8_t *row, const float *x, int64_t T, int64_t K, const float *xsum, float *y, int64_t N) {
+    for (int64_t t0 = 0; t0 < T; t0 += 8) {
+        const float *xt = x + t0 * K, *st = xsum + t0 * (K / QK);
+        float *yt = y + t0 * N;
+        switch (T - t0 >= 8 ? 8 : (int)(T - t0)) {
+            case 8: dot_rows(type, row, xt, K, st, 8, yt, N); break;
+            case 7: dot_rows(type, row, xt, K, st, 7, yt, N); break;
+            case 6: dot_rows(type, row, xt, K, st, 6, yt, N); break;
+            case 5: dot_rows(type, row, xt, K, st, 5, yt, N); break;
+            case 4: dot_rows(type, row, xt, K, st, 4, yt, N); break;
+            case 3: dot_rows(type, row, xt, K, st, 3, yt, N); break;
+            case 2: dot_rows(type, row, xt, K, st, 2, yt, N); break;
+            default: dot_rows(type, row, xt, K, st, 1, yt, N); break;
         }
     }
 }
@@ -127,32 +126,36 @@ void gguf_matmul(int type, const uint8_t *w, int64_t row_bytes, const float *x, 
         const float *xb = x + i * QK;
         xsum[i] = hsum(loadv(xb) + loadv(xb + 8) + loadv(xb + 16) + loadv(xb + 24));
     }
-    switch (type) {
-        case GGUF_Q4_0: matmul_type(GGUF_Q4_0, w, row_bytes, x, T, K, xsum, y, N, nthreads); break;
-        case GGUF_Q4_1: matmul_type(GGUF_Q4_1, w, row_bytes, x, T, K, xsum, y, N, nthreads); break;
-        default: matmul_type(GGUF_Q8_0, w, row_bytes, x, T, K, xsum, y, N, nthreads); break;
+    /* The type is switched on inside the parallel loop so each case is compiled for its type. */
+    #pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t o = 0; o < N; ++o) {
+        const uint8_t *row = w + o * row_bytes;
+        switch (type) {
+            case GGUF_Q4_0: matmul_row(GGUF_Q4_0, row, x, T, K, xsum, y + o, N); break;
+            case GGUF_Q4_1: matmul_row(GGUF_Q4_1, row, x, T, K, xsum, y + o, N); break;
+            default: matmul_row(GGUF_Q8_0, row, x, T, K, xsum, y + o, N); break;
+        }
     }
 }
 
-static inline __attribute__((always_inline)) void dequantize_type(
-    int type, const uint8_t *w, int64_t row_bytes, int64_t N, int64_t K, float *out, int nthreads) {
-    const int64_t nb = K / QK, bb = block_bytes(type);
-    #pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t o = 0; o < N; ++o) {
-        for (int64_t b = 0; b < nb; ++b) {
-            v8 q[4];
-            float d, m;
-            load_block(type, w + o * row_bytes + b * bb, q, &d, &m);
-            for (int k = 0; k < 4; ++k) storev(out + o * K + b * QK + 8 * k, q[k] * d + m);
-        }
+static inline __attribute__((always_inline)) void dequantize_row(int type, const uint8_t *row, int64_t K, float *out) {
+    const int64_t bb = block_bytes(type);
+    for (int64_t b = 0; b < K / QK; ++b) {
+        v8 q[4];
+        float d, m;
+        load_block(type, row + b * bb, q, &d, &m);
+        for (int k = 0; k < 4; ++k) storev(out + b * QK + 8 * k, q[k] * d + m);
     }
 }
 
 /* out [N, K] float32 = the weights of W [N, row_bytes] (types as gguf_matmul). */
 void gguf_dequantize(int type, const uint8_t *w, int64_t row_bytes, int64_t N, int64_t K, float *out, int nthreads) {
-    switch (type) {
-        case GGUF_Q4_0: dequantize_type(GGUF_Q4_0, w, row_bytes, N, K, out, nthreads); break;
-        case GGUF_Q4_1: dequantize_type(GGUF_Q4_1, w, row_bytes, N, K, out, nthreads); break;
-        default: dequantize_type(GGUF_Q8_0, w, row_bytes, N, K, out, nthreads); break;
+    #pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t o = 0; o < N; ++o) {
+        switch (type) {
+            case GGUF_Q4_0: dequantize_row(GGUF_Q4_0, w + o * row_bytes, K, out + o * K); break;
+            case GGUF_Q4_1: dequantize_row(GGUF_Q4_1, w + o * row_bytes, K, out + o * K); break;
+            default: dequantize_row(GGUF_Q8_0, w + o * row_bytes, K, out + o * K); break;
+        }
     }
 }
