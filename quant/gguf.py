@@ -101,7 +101,8 @@ class GGUFLinearMethod(LinearMethod):
             qweight = parts[0]["qweight"] if len(parts) == 1 else torch.cat([p["qweight"] for p in parts])
             layer.qweight.data = qweight.contiguous()
             layer.qweight_type.data = torch.tensor(int(qtype))
-            self.qtype = qtype
+            self.qtype, self.qtype_id, self.row_bytes = qtype, int(qtype), layer.qweight.shape[1]
+            self.kernel = cpu_ops.load().gguf_matmul
         else:
             logger.info(
                 "%s: GGUF %s weights dequantized to float32 at load",
@@ -116,6 +117,15 @@ class GGUFLinearMethod(LinearMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.dense is not None:
             return F.linear(x, self.dense, bias)
+        if x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS:
+            # The decode path, once per layer per step: the kernel called with as little
+            # Python around it as possible.
+            t = x.shape[0]
+            x = x.contiguous()
+            y = x.new_empty(t, self.output_size)
+            self.kernel(self.qtype_id, layer.qweight.data_ptr(), self.row_bytes, x.data_ptr(), t,
+                        self.input_size, y.data_ptr(), self.output_size, torch.get_num_threads())
+            return y if bias is None else y.add_(bias)
         x2 = x.reshape(-1, self.input_size)
         if x2.shape[0] <= GEMV_MAX_ROWS:
             y = matmul(self.qtype, layer.qweight, x2.contiguous(), self.output_size)
