@@ -40,6 +40,7 @@ class EngineConfig(EngineArgs):
     """
 
     model_path: str = field(init=False, default="")
+    weights_path: str = field(init=False, default="")
     hf_config: Any = field(init=False, default=None)
     platform_cls: type[Platform] = field(init=False, default=Platform)
     torch_dtype: torch.dtype = field(init=False, default=torch.float32)
@@ -106,14 +107,7 @@ class EngineConfig(EngineArgs):
         from tokenmill.model_loader.loader import load_hf_config
         from tokenmill.selector import select_platform
 
-        if self.model is None:
-            from tokenmill.default_model import default_model_path
-
-            self.model_path = default_model_path()
-        else:
-            self.model_path = os.path.expanduser(str(self.model))
-            if not os.path.isdir(self.model_path):
-                raise FileNotFoundError(f"model directory {self.model_path!r} does not exist")
+        self._resolve_model()
         self.hf_config = load_hf_config(self.model_path)
         self.platform_cls = select_platform(self.platform)
         self.torch_dtype = self._resolve_dtype()
@@ -146,6 +140,40 @@ class EngineConfig(EngineArgs):
             )
         self.platform_cls.check_and_update_config(self)
         return self
+
+    def _resolve_model(self) -> None:
+        """Set ``model_path`` (the HF config and tokenizer) and ``weights_path``: both the model
+        directory, or for a GGUF file (the default model's own with ``quantization="gguf"``) the
+        file and a cached directory of its metadata; a GGUF file loads with the gguf method."""
+        from tokenmill.default_model import cache_dir, default_model_path, gguf_path
+        from tokenmill.model_loader.gguf_file import is_gguf_file, metadata_dir
+
+        if self.model is None:
+            if self.quantization != "gguf":
+                self.model_path = self.weights_path = default_model_path()
+                return
+            path = str(gguf_path())
+        else:
+            path = os.path.expanduser(str(self.model))
+            if os.path.isdir(path):
+                if self.quantization == "gguf":
+                    raise ValueError(
+                        f"quantization='gguf' loads GGUF files; {path!r} is a model directory "
+                        f"(pass model='file.gguf', or model=None for the default model's file)"
+                    )
+                self.model_path = self.weights_path = path
+                return
+            if not is_gguf_file(path):
+                what = "is not a GGUF file" if os.path.isfile(path) else "does not exist"
+                raise FileNotFoundError(f"model {path!r} {what}: pass a model directory or a GGUF file")
+        if self.quantization not in (None, "gguf"):
+            raise ValueError(
+                f"model {path!r} is a GGUF file, which loads with quantization='gguf', "
+                f"not {self.quantization!r}"
+            )
+        self.quantization = "gguf"
+        self.weights_path = path
+        self.model_path = metadata_dir(path, cache_dir())
 
     def _check_speculative(self, spec: SpeculativeConfig) -> None:
         """The method must be a registered proposer; a draft model must share the target's

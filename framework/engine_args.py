@@ -26,7 +26,7 @@ class EngineArgs:
     """The user's engine arguments, as vLLM names them; ``metadata["help"]`` describes each."""
 
     model: str | None = _arg(
-        None, "HF-format model directory; None: the embedded SmolLM2-135M-Instruct"
+        None, "HF-format model directory or GGUF file; None: the embedded SmolLM2-135M-Instruct"
     )
     tokenizer: str | None = _arg(None, "tokenizer directory; None: the model's")
     dtype: str = _arg(
@@ -72,7 +72,7 @@ class EngineArgs:
         None, "platform (see 'tokenmill plugins'); None: $TOKENMILL_PLATFORM, else detected"
     )
     quantization: str | None = _arg(
-        None, "quantization method; None: the checkpoint's, if any (none is registered yet)"
+        None, "quantization method (gguf, or a plugin's); None: the checkpoint's, if any (gguf for a GGUF file)"
     )
     kv_cache_dtype: str = _arg(
         "auto", "KV-cache dtype: auto (the model's); fp8 is not implemented yet"

@@ -248,7 +248,7 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
-            if self.tie_word_embeddings and name.startswith("lm_head."):
+            if self.tie_word_embeddings and name.startswith("lm_head.") and name not in params:
                 continue
             for fused, original, shard_id in self.stacked_params_mapping:
                 if original in name:

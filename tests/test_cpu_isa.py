@@ -34,7 +34,7 @@ def test_avx2_build_is_cached_apart_and_matches_torch(fresh_load, tmp_path, monk
 
 
 def test_isa_flags():
-    assert cpu_ops.ISA_FLAGS["avx2"][0] == ["-mavx2", "-mfma"]
+    assert cpu_ops.ISA_FLAGS["avx2"][0] == ["-mavx2", "-mfma", "-mf16c"]
     assert cpu_ops.ISA_FLAGS["native"][0] == ["-march=native"]
 
 
@@ -47,7 +47,7 @@ def test_unknown_isa_is_refused(fresh_load, monkeypatch, isa):
 
 def test_isa_the_cpu_lacks_is_refused(fresh_load, monkeypatch):
     monkeypatch.setenv("TOKENMILL_CPU_ISA", "avx512")
-    monkeypatch.setattr(cpu_ops, "cpu_flags", lambda: {"avx2", "fma", "avx512f"})
+    monkeypatch.setattr(cpu_ops, "cpu_flags", lambda: {"avx2", "fma", "f16c", "avx512f"})
     with pytest.raises(ValueError, match="this CPU lacks avx512vl, avx512dq, avx512bw"):
         fresh_load()
 

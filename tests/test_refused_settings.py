@@ -53,17 +53,28 @@ def test_unimplemented_features_are_refused(tiny_dir, kwargs, message):
         LLM(model=tiny_dir, **kwargs)
 
 
-def test_quantization_without_any_method_is_refused(tiny_dir):
-    with pytest.raises(ValueError, match=r"quantization is not implemented yet \(quantization='fp8'\)"):
-        LLM(model=tiny_dir, quantization="fp8")
+def test_unregistered_quantization_is_refused(tiny_dir):
+    with pytest.raises(ValueError, match=r"quantization method 'squeezellm' is not registered; registered: .*gguf"):
+        LLM(model=tiny_dir, quantization="squeezellm")
 
 
-def test_quantized_checkpoint_is_refused(tmp_path):
+def test_quantization_without_any_method_is_refused(tiny_dir, monkeypatch):
+    monkeypatch.setenv("TOKENMILL_PLUGINS", "platforms,attention_backends,models")
+    plugins.reload_plugins()
+    try:
+        with pytest.raises(ValueError, match=r"quantization is not implemented yet \(quantization='squeezellm'\)"):
+            EngineConfig(model=tiny_dir, quantization="squeezellm").finalize()
+    finally:
+        monkeypatch.undo()
+        plugins.reload_plugins()
+
+
+def test_checkpoint_naming_an_unregistered_method_is_refused(tmp_path):
     path = make_tiny_checkpoint(tmp_path, "llama")
     config = json.loads((tmp_path / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    config["quantization_config"] = {"quant_method": "squeezellm", "bits": 4}
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=r"quantization is not implemented yet \(quantization='gptq'\)"):
+    with pytest.raises(ValueError, match=r"quantization method 'squeezellm' is not registered; registered: .*gguf"):
         LLM(model=path)
 
 

@@ -48,3 +48,9 @@ class QuantizationMethod(ABC):
     @abstractmethod
     def get_linear_method(self, layer: nn.Module, prefix: str) -> LinearMethod | None:
         """The method for the linear layer at ``prefix``; None leaves it unquantized."""
+
+    def get_lm_head_method(self, layer: nn.Module, prefix: str) -> LinearMethod | None:
+        """The method for the LM head (a ``ParallelLMHead``), whose float ``weight`` the
+        method's weights then replace; a tied head is then not tied, so the checkpoint must
+        hold ``lm_head``'s tensors. None (the default) leaves the head unquantized."""
+        return None

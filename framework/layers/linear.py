@@ -200,7 +200,7 @@ class ColumnParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.linear_method.apply(self, x, self.bias)
-        if self.gather_output:
+        if self.gather_output and self.tp_size > 1:
             out = tensor_model_parallel_all_gather(out, dim=-1)
         return out
 
@@ -343,6 +343,6 @@ class RowParallelLinear(LinearBase):
             x = x.chunk(self.tp_size, dim=-1)[self.tp_rank]
         bias = self.bias if self.tp_rank == 0 else None
         out = self.linear_method.apply(self, x, bias)
-        if self.reduce_results:
+        if self.reduce_results and self.tp_size > 1:
             out = tensor_model_parallel_all_reduce(out)
         return out

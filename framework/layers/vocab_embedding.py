@@ -81,15 +81,16 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     ``compute_logits`` multiplies by this rank's rows, all-gathers the vocabulary shards and
     returns float32 logits over the real (unpadded) vocabulary. ``tie_weights`` shares the
-    embedding's weight instead of holding its own. The product is the platform's unquantized
-    linear method (``linear_method``, whose weights the model loader processes once loaded).
+    embedding's weight instead of holding its own. The product is ``linear_method`` (whose
+    weights the model loader processes once loaded): the quantization method's
+    ``get_lm_head_method`` when it gives one, which then creates the head's weights (a tied head
+    is not tied: the checkpoint holds ``lm_head``'s tensors), else the platform's unquantized one.
     """
 
     def __init__(
         self, num_embeddings: int, embedding_dim: int, bias: bool = False, prefix: str = ""
     ) -> None:
         super().__init__(num_embeddings, embedding_dim, prefix)
-        self.linear_method = UnquantizedLinearMethod.for_platform()
         if bias:
             self.bias = nn.Parameter(
                 torch.zeros(self.num_embeddings_per_partition, dtype=self.weight.dtype),
@@ -98,12 +99,21 @@ class ParallelLMHead(VocabParallelEmbedding):
             self.bias.weight_loader = self._bias_loader
         else:
             self.register_parameter("bias", None)
+        ctx = current_build_context()
+        method = ctx.quant_method.get_lm_head_method(self, prefix) if ctx.quant_method else None
+        if method is not None:
+            del self.weight
+            method.create_weights(self, embedding_dim, [self.num_embeddings_per_partition], ctx.dtype)
+        self.quantized = method is not None
+        self.linear_method = method or UnquantizedLinearMethod.for_platform()
 
     def _bias_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         shard = self._local_rows(loaded_weight)
         param.data[: shard.shape[0]].copy_(shard)
 
     def tie_weights(self, embed_tokens: VocabParallelEmbedding) -> None:
+        if self.quantized:
+            return
         if embed_tokens.weight.shape != self.weight.shape:
             raise ValueError(
                 f"cannot tie {self.prefix} {tuple(self.weight.shape)} to embedding "

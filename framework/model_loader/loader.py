@@ -13,6 +13,7 @@ from transformers import AutoConfig, PretrainedConfig
 from tokenmill.interfaces.model import ModelRegistry
 from tokenmill.interfaces.quantization import LinearMethod
 from tokenmill.layers.build_context import BuildContext, model_build_context
+from tokenmill.model_loader.gguf_file import is_gguf_file, iter_gguf_weights
 from tokenmill.model_loader.weights import iter_weights
 
 
@@ -43,7 +44,8 @@ def load_model(
     device: torch.device | str,
 ) -> nn.Module:
     """Build the registered class for ``hf_config.architectures`` on ``device`` in
-    ``build_ctx.dtype``, load the checkpoint into it and return it in eval mode.
+    ``build_ctx.dtype``, load the checkpoint (``model_dir``, or a GGUF file for the ``gguf``
+    method) into it and return it in eval mode.
 
     A model whose ``load_weights`` returns the set of parameter names it loaded is checked
     for parameters the checkpoint left uninitialised.
@@ -59,8 +61,12 @@ def load_model(
 
     # Quantization methods get checkpoint tensors as stored (scales keep their precision).
     dtype = build_ctx.dtype if build_ctx.quant_method is None else None
+    if is_gguf_file(model_dir):
+        weights = iter_gguf_weights(model_dir, use_tqdm=True)
+    else:
+        weights = iter_weights(model_dir, dtype, use_tqdm=True)
     with torch.no_grad():
-        loaded = model.load_weights(iter_weights(model_dir, dtype, use_tqdm=True))
+        loaded = model.load_weights(weights)
         if isinstance(loaded, set):
             missing = sorted(set(dict(model.named_parameters())) - loaded)
             if missing:

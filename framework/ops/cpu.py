@@ -1,6 +1,6 @@
 """CPU kernels: C sources in ``csrc/`` compiled on first use with the system C compiler
 (``-O3 -fopenmp`` and the instruction set of ``TOKENMILL_CPU_ISA``: ``-march=native`` by default,
-``-mavx2 -mfma`` for ``avx2``) into one shared library, cached under the tokenmill cache directory
+``-mavx2 -mfma -mf16c`` for ``avx2``) into one shared library, cached under the tokenmill cache directory
 by a hash of the sources, flags, compiler and CPU, and loaded with ctypes. On x86-64 the kernels
 need AVX2 and FMA (``csrc/vec.h``); where the build fails they are off.
 
@@ -30,15 +30,15 @@ from tokenmill import envs
 
 logger = logging.getLogger(__name__)
 
-SOURCES = ("attention.c", "norm.c", "activation.c", "rotary.c")
+SOURCES = ("attention.c", "norm.c", "activation.c", "rotary.c", "gguf.c")
 FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 # TOKENMILL_CPU_ISA: the compiler's instruction-set flags and the /proc/cpuinfo flags they need.
 ISA_FLAGS: dict[str, tuple[list[str], tuple[str, ...]]] = {
     "native": (["-march=native"], ()),
-    "avx2": (["-mavx2", "-mfma"], ("avx2", "fma")),
+    "avx2": (["-mavx2", "-mfma", "-mf16c"], ("avx2", "fma", "f16c")),
     "avx512": (
-        ["-mavx2", "-mfma", "-mavx512f", "-mavx512vl", "-mavx512dq", "-mavx512bw"],
-        ("avx2", "fma", "avx512f", "avx512vl", "avx512dq", "avx512bw"),
+        ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512vl", "-mavx512dq", "-mavx512bw"],
+        ("avx2", "fma", "f16c", "avx512f", "avx512vl", "avx512dq", "avx512bw"),
     ),
 }
 _I64, _F32, _PTR, _INT = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int
@@ -48,6 +48,8 @@ SIGNATURES = {
     "fused_add_rms_norm": [_PTR, _PTR, _PTR, _I64, _I64, _F32, _INT],
     "silu_and_mul": [_PTR, _PTR, _I64, _I64, _INT],
     "rotary_embedding": [_PTR, _PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _INT, _INT],
+    "gguf_matmul": [_INT, _PTR, _I64, _PTR, _I64, _I64, _PTR, _I64, _INT],
+    "gguf_dequantize": [_INT, _PTR, _I64, _I64, _I64, _PTR, _INT],
 }
 
 

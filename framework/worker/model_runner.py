@@ -113,7 +113,7 @@ class ModelRunner:
             self.config.kv_cache_dtype,
             self.config.platform_cls.get_ops(),
         )
-        self.model = load_model(self.config.model_path, self.config.hf_config, ctx, self.device)
+        self.model = load_model(self.config.weights_path, self.config.hf_config, ctx, self.device)
         self.prompt_logprobs = PromptLogprobs(self.model.compute_logits)
         if self.proposer is not None:
             self.proposer.load_model(self.model, ctx)

@@ -1,0 +1,161 @@
+/* Products with GGUF (llama.cpp) quantized weights kept as stored: Q4_0, Q4_1 and Q8_0 blocks of
+   32 weights, each block a float16 scale d (Q4_1: and a float16 offset m) and its quants.
+
+     Q4_0: 18 bytes, w = (q - 8) * d, q the low nibbles of bytes 0..15 then their high nibbles
+     Q4_1: 20 bytes, w = q * d + m, nibbles as Q4_0
+     Q8_0: 34 bytes, w = q * d, q int8
+
+   A weight matrix is [N, row_bytes]: row o holds output o's K / 32 blocks. Each block is
+   widened to float32 in registers and multiplied with float32 activations (fp32 FMA), so the
+   result is the float product with the dequantized weights, up to the order of the sums.
+   Output rows in parallel. */
+#include "vec.h"
+#if defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+enum { GGUF_Q4_0 = 2, GGUF_Q4_1 = 3, GGUF_Q8_0 = 8 };
+#define QK 32
+
+static inline float f16_to_f32(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    /* Exponent rebias by a multiply, which also normalises subnormals (F. Giesen's method). */
+    union { uint32_t u; float f; } o = {(uint32_t)(h & 0x7fff) << 13}, magic = {(254u - 15u) << 23},
+                                     infnan = {(127u + 16u) << 23};
+    o.f *= magic.f;
+    if (o.f >= infnan.f) o.u |= 255u << 23;
+    o.u |= (uint32_t)(h & 0x8000) << 16;
+    return o.f;
+#endif
+}
+
+static inline int64_t block_bytes(int type) {
+    return type == GGUF_Q4_0 ? 18 : type == GGUF_Q4_1 ? 20 : 34;
+}
+
+/* The 32 quants of one block as floats in w[0..3] (Q4_0 already minus 8), its scale in *d and
+   offset (Q4_1; else 0) in *m. */
+static inline __attribute__((always_inline)) void load_block(int type, const uint8_t *b, v8 w[4], float *d, float *m) {
+    *d = f16_to_f32(b);
+    *m = type == GGUF_Q4_1 ? f16_to_f32(b + 2) : 0.f;
+#if defined(__AVX2__)
+    if (type == GGUF_Q8_0) {
+        for (int k = 0; k < 4; ++k)
+            w[k] = (v8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b + 2 + 8 * k))));
+        return;
+    }
+    const __m128i q = _mm_loadu_si128((const __m128i *)(b + (type == GGUF_Q4_1 ? 4 : 2)));
+    const __m128i mask = _mm_set1_epi8(0x0f);
+    __m128i lo = _mm_and_si128(q, mask), hi = _mm_and_si128(_mm_srli_epi16(q, 4), mask);
+    if (type == GGUF_Q4_0) {
+        const __m128i eight = _mm_set1_epi8(8);
+        lo = _mm_sub_epi8(lo, eight);
+        hi = _mm_sub_epi8(hi, eight);
+    }
+    w[0] = (v8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
+    w[1] = (v8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
+    w[2] = (v8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
+    w[3] = (v8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
+#else
+    float f[QK];
+    if (type == GGUF_Q8_0) {
+        for (int j = 0; j < QK; ++j) f[j] = (float)(int8_t)b[2 + j];
+    } else {
+        const uint8_t *qs = b + (type == GGUF_Q4_1 ? 4 : 2);
+        const int off = type == GGUF_Q4_0 ? 8 : 0;
+        for (int j = 0; j < 16; ++j) {
+            f[j] = (float)((qs[j] & 0x0f) - off);
+            f[j + 16] = (float)((qs[j] >> 4) - off);
+        }
+    }
+    for (int k = 0; k < 4; ++k) w[k] = loadv(f + 8 * k);
+#endif
+}
+
+/* y[t * ldy] = sum_i W[o, i] x[t, i] for nt (<= 8) activation rows x [nt, K]; xsum [nt, K / 32]
+   holds each block's sum of x (for the Q4_1 offsets). */
+static inline __attribute__((always_inline)) void dot_rows(
+    int type, const uint8_t *row, const float *x, int64_t K, const float *xsum, int nt, float *y, int64_t ldy) {
+    const int64_t nb = K / QK, bb = block_bytes(type);
+    v8 acc[8] = {{0}};
+    float macc[8] = {0};
+    for (int64_t b = 0; b < nb; ++b) {
+        v8 w[4];
+        float d, m;
+        load_block(type, row + b * bb, w, &d, &m);
+        for (int t = 0; t < nt; ++t) {
+            const float *xt = x + t * K + b * QK;
+            const v8 s = w[0] * loadv(xt) + w[1] * loadv(xt + 8) + w[2] * loadv(xt + 16) + w[3] * loadv(xt + 24);
+            acc[t] += s * d;
+            if (type == GGUF_Q4_1) macc[t] += m * xsum[t * nb + b];
+        }
+    }
+    for (int t = 0; t < nt; ++t) y[t * ldy] = hsum(acc[t]) + macc[t];
+}
+
+/* y[t, o] for all T rows of x, in groups of up to 8 rows of x (each block is widened once per
+   group). */
+static inline __attribute__((always_inline)) void matmul_row(
+    int type, const uint8_t *row, const float *x, int64_t T, int64_t K, const float *xsum, float *y, int64_t N) {
+    for (int64_t t0 = 0; t0 < T; t0 += 8) {
+        const float *xt = x + t0 * K, *st = xsum + t0 * (K / QK);
+        float *yt = y + t0 * N;
+        switch (T - t0 >= 8 ? 8 : (int)(T - t0)) {
+            case 8: dot_rows(type, row, xt, K, st, 8, yt, N); break;
+            case 7: dot_rows(type, row, xt, K, st, 7, yt, N); break;
+            case 6: dot_rows(type, row, xt, K, st, 6, yt, N); break;
+            case 5: dot_rows(type, row, xt, K, st, 5, yt, N); break;
+            case 4: dot_rows(type, row, xt, K, st, 4, yt, N); break;
+            case 3: dot_rows(type, row, xt, K, st, 3, yt, N); break;
+            case 2: dot_rows(type, row, xt, K, st, 2, yt, N); break;
+            default: dot_rows(type, row, xt, K, st, 1, yt, N); break;
+        }
+    }
+}
+
+/* y [T, N] = x [T, K] @ W.T for W [N, row_bytes] of GGUF type `type` (Q4_0, Q4_1 or Q8_0: the
+   caller checks); K a multiple of 32; x and y contiguous float32. */
+void gguf_matmul(int type, const uint8_t *w, int64_t row_bytes, const float *x, int64_t T, int64_t K,
+                 float *y, int64_t N, int nthreads) {
+    float xsum[T * (K / QK) + 1];
+    for (int64_t i = 0; i < T * (K / QK); ++i) {
+        const float *xb = x + i * QK;
+        xsum[i] = hsum(loadv(xb) + loadv(xb + 8) + loadv(xb + 16) + loadv(xb + 24));
+    }
+    /* The type is switched on inside the parallel loop so each case is compiled for its type. */
+    #pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t o = 0; o < N; ++o) {
+        const uint8_t *row = w + o * row_bytes;
+        switch (type) {
+            case GGUF_Q4_0: matmul_row(GGUF_Q4_0, row, x, T, K, xsum, y + o, N); break;
+            case GGUF_Q4_1: matmul_row(GGUF_Q4_1, row, x, T, K, xsum, y + o, N); break;
+            default: matmul_row(GGUF_Q8_0, row, x, T, K, xsum, y + o, N); break;
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void dequantize_row(int type, const uint8_t *row, int64_t K, float *out) {
+    const int64_t bb = block_bytes(type);
+    for (int64_t b = 0; b < K / QK; ++b) {
+        v8 q[4];
+        float d, m;
+        load_block(type, row + b * bb, q, &d, &m);
+        for (int k = 0; k < 4; ++k) storev(out + b * QK + 8 * k, q[k] * d + m);
+    }
+}
+
+/* out [N, K] float32 = the weights of W [N, row_bytes] (types as gguf_matmul). */
+void gguf_dequantize(int type, const uint8_t *w, int64_t row_bytes, int64_t N, int64_t K, float *out, int nthreads) {
+    #pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t o = 0; o < N; ++o) {
+        switch (type) {
+            case GGUF_Q4_0: dequantize_row(GGUF_Q4_0, w + o * row_bytes, K, out + o * K); break;
+            case GGUF_Q4_1: dequantize_row(GGUF_Q4_1, w + o * row_bytes, K, out + o * K); break;
+            default: dequantize_row(GGUF_Q8_0, w + o * row_bytes, K, out + o * K); break;
+        }
+    }
+}
