@@ -72,7 +72,7 @@ class EngineArgs:
         None, "platform (see 'tokenmill plugins'); None: $TOKENMILL_PLATFORM, else detected"
     )
     quantization: str | None = _arg(
-        None, "quantization method; None: the checkpoint's, if any (none is registered yet)"
+        None, "quantization method (see `tokenmill plugins`); None: the checkpoint's, if any"
     )
     kv_cache_dtype: str = _arg(
         "auto", "KV-cache dtype: auto (the model's); fp8 is not implemented yet"

@@ -376,8 +376,8 @@ def test_misspelled_tokenmill_plugins_names_the_unknown_and_installed_plugins(si
     site.mp.setenv("TOKENMILL_PLUGINS", "platfroms, models")
     message = (
         "TOKENMILL_PLUGINS names unknown plugin(s) 'platfroms'; "
-        "installed plugins: attention_backends, commands, models, platforms, spec_decode, "
-        "tool_parsers"
+        "installed plugins: attention_backends, commands, models, platforms, quantization, "
+        "spec_decode, tool_parsers"
     )
     with pytest.raises(ValueError) as err:
         plugins.reload_plugins()
@@ -389,7 +389,7 @@ def test_misspelled_tokenmill_plugins_names_the_unknown_and_installed_plugins(si
 
 FILTERED = (
     "(TOKENMILL_PLUGINS='models' excluded the plugin(s) attention_backends, commands, platforms, "
-    "spec_decode, tool_parsers)"
+    "quantization, spec_decode, tool_parsers)"
 )
 EXCLUDED_BY_FILTER = {
     "auto": (RuntimeError, lambda model: select_platform(), "no available platform among none"),
