@@ -22,6 +22,19 @@ def replace_parameters(layer: nn.Module, old: list[str], new: dict[str, torch.Te
         layer.register_parameter(name, nn.Parameter(tensor.contiguous(), requires_grad=False))
 
 
+_workspace = torch.empty(0)
+
+
+def workspace(n: int, k: int) -> torch.Tensor:
+    """A float32 [n, k] scratch tensor shared by all layers of the process (each dequantized
+    weight lives only until its GEMM returns), so large batches do not fault in fresh pages
+    every call. Model forwards in one process run one at a time, as the engine core runs them."""
+    global _workspace
+    if _workspace.numel() < n * k:
+        _workspace = torch.empty(n * k)
+    return _workspace[: n * k].view(n, k)
+
+
 class QuantizedLinearMethod(LinearMethod):
     """``apply``: float32 CPU inputs go to the method's C kernel (``cpu_apply``); from
     ``gemm_rows`` input rows on (prefill, large batches) the kernel instead dequantizes the
@@ -29,7 +42,7 @@ class QuantizedLinearMethod(LinearMethod):
     per row block there; any other input (another device or dtype, no kernels) computes
     ``x @ dequantize(layer).T`` in torch."""
 
-    gemm_rows: int | None = 32
+    gemm_rows: int | None = 16
     """Input rows from which the CPU path dequantizes and calls ``F.linear``; None: never."""
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -50,7 +63,8 @@ class QuantizedLinearMethod(LinearMethod):
         """``x`` [M, K] float32 times the weight by the C kernel."""
 
     def cpu_dequantize(self, layer: nn.Module) -> torch.Tensor:
-        """The float32 weight by the C dequantizer (``dequantize`` by default)."""
+        """The float32 weight by the C dequantizer, in the shared :func:`workspace`
+        (``dequantize`` by default)."""
         return self.dequantize(layer).float()
 
 

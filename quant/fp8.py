@@ -20,7 +20,7 @@ from torch import nn
 from tokenmill.interfaces.quantization import LinearMethod, QuantizationMethod
 from tokenmill.layers.linear import set_weight_attrs
 from tokenmill.ops import cpu_quant
-from tokenmill.quant.base import OnlineQuantizedLinearMethod, QuantizedLinearMethod
+from tokenmill.quant.base import OnlineQuantizedLinearMethod, QuantizedLinearMethod, workspace
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max
@@ -64,7 +64,7 @@ class Fp8LinearMethod(QuantizedLinearMethod):
         return cpu_quant.fp8_linear(x, layer.weight, layer.weight_scale, bias)
 
     def cpu_dequantize(self, layer: nn.Module) -> torch.Tensor:
-        return cpu_quant.fp8_dequantize(layer.weight, layer.weight_scale)
+        return cpu_quant.fp8_dequantize(layer.weight, layer.weight_scale, workspace(*layer.weight.shape))
 
     def torch_apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         n, k = layer.weight.shape

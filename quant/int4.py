@@ -18,7 +18,7 @@ from torch import nn
 
 from tokenmill.interfaces.quantization import LinearMethod, QuantizationMethod
 from tokenmill.ops import cpu_quant
-from tokenmill.quant.base import OnlineQuantizedLinearMethod, QuantizedLinearMethod, replace_parameters
+from tokenmill.quant.base import OnlineQuantizedLinearMethod, QuantizedLinearMethod, replace_parameters, workspace
 
 CHUNK = 32
 """Columns per packing chunk: byte ``j`` of a chunk holds column ``j`` (low nibble) and
@@ -87,7 +87,8 @@ class Int4LinearMethod(QuantizedLinearMethod):
         return cpu_quant.int4_linear(x, layer.weight_packed, layer.weight_scale, layer.weight_min, bias)
 
     def cpu_dequantize(self, layer: nn.Module) -> torch.Tensor:
-        return cpu_quant.int4_dequantize(layer.weight_packed, layer.weight_scale, layer.weight_min)
+        n, half = layer.weight_packed.shape
+        return cpu_quant.int4_dequantize(layer.weight_packed, layer.weight_scale, layer.weight_min, workspace(n, 2 * half))
 
 
 class OnlineInt4LinearMethod(Int4LinearMethod, OnlineQuantizedLinearMethod):

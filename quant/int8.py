@@ -10,7 +10,7 @@ from torch import nn
 
 from tokenmill.interfaces.quantization import LinearMethod, QuantizationMethod
 from tokenmill.ops import cpu_quant
-from tokenmill.quant.base import OnlineQuantizedLinearMethod
+from tokenmill.quant.base import OnlineQuantizedLinearMethod, workspace
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,7 +36,7 @@ class Int8LinearMethod(OnlineQuantizedLinearMethod):
         return cpu_quant.int8_linear(x, layer.weight, layer.weight_scale, bias)
 
     def cpu_dequantize(self, layer: nn.Module) -> torch.Tensor:
-        return cpu_quant.int8_dequantize(layer.weight, layer.weight_scale)
+        return cpu_quant.int8_dequantize(layer.weight, layer.weight_scale, workspace(*layer.weight.shape))
 
 
 class W8A8LinearMethod(Int8LinearMethod):

@@ -31,10 +31,17 @@ def int8_linear(
     return out
 
 
-def int8_dequantize(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``weight * scale[:, None]`` as float32 [N, K]."""
+def _out(out: torch.Tensor | None, n: int, k: int) -> torch.Tensor:
+    if out is None:
+        return torch.empty(n, k)
+    assert out.shape == (n, k) and out.dtype == torch.float32 and out.is_contiguous()
+    return out
+
+
+def int8_dequantize(weight: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``weight * scale[:, None]`` as float32 [N, K] (into ``out`` when given)."""
     n, k = weight.shape
-    out = torch.empty(n, k)
+    out = _out(out, n, k)
     load().int8_dequantize(out.data_ptr(), weight.data_ptr(), scale.data_ptr(), n, k, torch.get_num_threads())
     return out
 
@@ -57,10 +64,12 @@ def int4_linear(
     return out
 
 
-def int4_dequantize(packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
-    """The float32 weight [N, K] of a group-wise int4 one."""
+def int4_dequantize(
+    packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The float32 weight [N, K] of a group-wise int4 one (into ``out`` when given)."""
     n, k = packed.shape[0], packed.shape[1] * 2
-    out = torch.empty(n, k)
+    out = _out(out, n, k)
     load().int4_dequantize(
         out.data_ptr(), packed.data_ptr(), scale.data_ptr(), minimum.data_ptr(), n, k,
         k // scale.shape[1], torch.get_num_threads(),
@@ -106,9 +115,9 @@ def fp8_linear(
     return out
 
 
-def fp8_dequantize(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``weight.float() * scale[:, None]`` as float32 [N, K]."""
+def fp8_dequantize(weight: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``weight.float() * scale[:, None]`` as float32 [N, K] (into ``out`` when given)."""
     n, k = weight.shape
-    out = torch.empty(n, k)
+    out = _out(out, n, k)
     load().fp8_dequantize(out.data_ptr(), weight.data_ptr(), scale.data_ptr(), n, k, torch.get_num_threads())
     return out

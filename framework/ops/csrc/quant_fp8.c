@@ -4,15 +4,11 @@
 #include <stdlib.h>
 #include "quant_tile.h"
 
-typedef uint8_t v8uc __attribute__((vector_size(8)));
-
 /* e4m3fn bits s.eeee.mmm (bias 7) to float: the exponent and mantissa bits moved into a
    float's with the bias changed (exact for normal numbers); exponent 0 is subnormal,
    m * 2^-9, which is 2 * (f - 2^-7) of that f. The NaN codes (0x7f, 0xff) are not decoded. */
 static inline v8 fp8_to_f32(const uint8_t *p) {
-    v8uc b;
-    memcpy(&b, p, sizeof b);
-    const v8i i = __builtin_convertvector(b, v8i);
+    const v8i i = widen_u8(p);
     const v8 f = (v8)(((i & 0x7f) << 20) + (120 << 23));
     const v8i sub = (i & 0x78) == 0;
     const v8 r = (v8)((sub & (v8i)(f * 2.f - 0x1p-6f)) | (~sub & (v8i)f));
@@ -54,6 +50,8 @@ void fp8_dequantize(float *out, const uint8_t *w, const float *scale, int64_t N,
     for (int64_t n = 0; n < N; ++n) {
         float *o = out + n * K;
         fp8_row(o, w + n * K, K);
-        for (int64_t k = 0; k < K; ++k) o[k] *= scale[n];
+        int64_t k = 0;
+        for (; k + 8 <= K; k += 8) storev(o + k, loadv(o + k) * scale[n]);
+        for (; k < K; ++k) o[k] *= scale[n];
     }
 }

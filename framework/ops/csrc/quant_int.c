@@ -12,21 +12,11 @@
 #include <stdlib.h>
 #include <math.h>
 #include "quant_tile.h"
-#if defined(__AVX2__)
-#include <immintrin.h>
-#endif
-
-typedef int8_t v8c __attribute__((vector_size(8)));
-typedef uint8_t v8uc __attribute__((vector_size(8)));
 
 /* Row n of an int8 weight as floats (unscaled codes). */
 static void int8_row(float *dst, const int8_t *w, int64_t K) {
     int64_t k = 0;
-    for (; k + 8 <= K; k += 8) {
-        v8c c;
-        memcpy(&c, w + k, sizeof c);
-        storev(dst + k, __builtin_convertvector(c, v8));
-    }
+    for (; k + 8 <= K; k += 8) storev(dst + k, __builtin_convertvector(widen_i8(w + k), v8));
     for (; k < K; ++k) dst[k] = (float)w[k];
 }
 
@@ -36,8 +26,7 @@ static void int4_row(float *dst, const uint8_t *w, const float *scale, const flo
     for (int64_t k = 0; k < K; k += 8) {
         const uint8_t *chunk = w + (k / 32) * 16;
         const int64_t o = k % 32;
-        v8uc b;
-        memcpy(&b, chunk + (o < 16 ? o : o - 16), sizeof b);
+        v8i b = widen_u8(chunk + (o < 16 ? o : o - 16));
         b = o < 16 ? (b & 15) : (b >> 4);
         const float s = scale[k / group], mn = minv[k / group];
         storev(dst + k, __builtin_convertvector(b, v8) * s + mn);
@@ -68,7 +57,9 @@ void int8_dequantize(float *out, const int8_t *w, const float *scale, int64_t N,
         float *o = out + n * K;
         int8_row(o, w + n * K, K);
         const float s = scale[n];
-        for (int64_t k = 0; k < K; ++k) o[k] *= s;
+        int64_t k = 0;
+        for (; k + 8 <= K; k += 8) storev(o + k, loadv(o + k) * s);
+        for (; k < K; ++k) o[k] *= s;
     }
 }
 

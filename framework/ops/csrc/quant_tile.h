@@ -2,6 +2,31 @@
    NR weight rows that the caller has dequantized into a float buffer. */
 #pragma once
 #include "vec.h"
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+/* Eight int8 / uint8 values widened to int32 lanes (vpmovsxbd / vpmovzxbd: GCC lowers 8-byte
+   vector conversions element by element). */
+static inline v8i widen_i8(const int8_t *p) {
+#if defined(__AVX2__)
+    return (v8i)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
+#else
+    v8i v;
+    for (int i = 0; i < 8; ++i) v[i] = p[i];
+    return v;
+#endif
+}
+
+static inline v8i widen_u8(const uint8_t *p) {
+#if defined(__AVX2__)
+    return (v8i)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+#else
+    v8i v;
+    for (int i = 0; i < 8; ++i) v[i] = p[i];
+    return v;
+#endif
+}
 
 #define NR 4  /* weight rows per block */
 /* Input rows per tile: MR x NR accumulators, MR input vectors and one weight vector fit the
