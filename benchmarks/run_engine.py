@@ -37,7 +37,7 @@ def run_tokenmill(model, prompts, out_lens, args):
     from tokenmill import LLM, SamplingParams
 
     llm = LLM(model=model, enable_prefix_caching=False, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens)
+              max_num_batched_tokens=args.max_num_batched_tokens, quantization=args.quantization)
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in out_lens]
     llm.generate([{"prompt_token_ids": prompts[0][:8]}], SamplingParams(max_tokens=2), use_tqdm=False)
     start = time.perf_counter()
@@ -125,6 +125,7 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--hf-batch-size", type=int, default=16)
+    parser.add_argument("--quantization", default=None, help="tokenmill's quantization method")
     args = parser.parse_args()
     prompts, out_lens = make_workload(args.workload, args.vocab_size, num_prompts=args.num_prompts)
     runner = {"tokenmill": run_tokenmill, "vllm": run_vllm, "hf": run_hf}[args.engine]

@@ -205,20 +205,29 @@ class EngineConfig(EngineArgs):
         from tokenmill import plugins
 
         checkpoint = getattr(self.hf_config, "quantization_config", None) or {}
-        self.quantization = self.quantization or checkpoint.get("quant_method")
+        stored = checkpoint.get("quant_method")
+        if self.quantization is not None and stored is not None and self.quantization != stored:
+            raise ValueError(
+                f"the checkpoint is quantized with {stored!r}; quantization={self.quantization!r} "
+                f"cannot load it (leave quantization unset or pass {stored!r})"
+            )
+        self.quantization = self.quantization or stored
         if self.quantization is None:
             return
         registry = plugins.get_registry("quantization_methods")
         if not registry.names():
             raise ValueError(
-                f"quantization is not implemented yet (quantization={self.quantization!r}): "
-                f"no quantization method is registered"
+                f"quantization={self.quantization!r}: no quantization method is registered"
+                f"{registry.filter_suffix()}"
             )
         if self.quantization not in registry:
-            raise ValueError(
-                f"quantization method {self.quantization!r} is not registered; "
-                f"registered: {', '.join(registry.names())}"
+            what = (
+                f"the checkpoint's quantization_config names quantization method "
+                f"{self.quantization!r}, which is not registered"
+                if stored
+                else f"quantization method {self.quantization!r} is not registered"
             )
+            raise ValueError(f"{what}; registered: {', '.join(registry.names())}{registry.filter_suffix()}")
         supported = self.platform_cls.supported_quantization
         if supported and self.quantization not in supported:
             raise ValueError(

@@ -72,7 +72,7 @@ class EngineArgs:
         None, "platform (see 'tokenmill plugins'); None: $TOKENMILL_PLATFORM, else detected"
     )
     quantization: str | None = _arg(
-        None, "quantization method (gguf, or a plugin's); None: the checkpoint's, if any (gguf for a GGUF file)"
+        None, "quantization method (see `tokenmill plugins`); None: the checkpoint's, if any (gguf for a GGUF file)"
     )
     kv_cache_dtype: str = _arg(
         "auto", "KV-cache dtype: auto (the model's); fp8 is not implemented yet"

@@ -12,7 +12,9 @@ from tokenmill.attention_backends.torch_ref import TorchRefBackend, TorchRefImpl
 from tokenmill.interfaces import AttentionConfig
 from tokenmill.interfaces.proposer import Proposal, Proposer
 from tokenmill.models.llama import LlamaForCausalLM
+from tokenmill.ops import cpu_quant
 from tokenmill.platforms.cpu import CpuPlatform
+from tokenmill.quant.int8 import Int8Config, Int8LinearMethod
 
 
 class WrongSlotImpl(TorchRefImpl):
@@ -83,3 +85,25 @@ class CorruptingProposer(Proposer):
             tokens[row, last] = (tokens[row, last] + 1) % 256
         k = batch.num_speculative_tokens
         return Proposal(np.zeros((len(batch.rows), k), dtype=np.int64), np.zeros(len(batch.rows), dtype=np.int64))
+
+
+class NeighbourScaleMethod(Int8LinearMethod):
+    """Its kernel path (small batches) scales each output channel by the previous one's scale."""
+
+    def cpu_apply(self, layer, x, bias):
+        return cpu_quant.int8_linear(x, layer.weight, layer.weight_scale.roll(1), bias)
+
+
+class NeighbourScaleInt8(Int8Config):
+    linear_method_cls = NeighbourScaleMethod
+
+
+class KeepsFloatMethod(Int8LinearMethod):
+    """Keeps the float weight next to its int8 copy."""
+
+    def quantize(self, weight):
+        return {**super().quantize(weight), "weight_float": weight}
+
+
+class KeepsFloatInt8(Int8Config):
+    linear_method_cls = KeepsFloatMethod

@@ -20,6 +20,8 @@ plugins.register_attention_backend("no-gqa", "kit_broken_parts:NoGqaBackend")
 plugins.register_platform("unregistered-candidate", "kit_broken_parts:UnregisteredCandidatePlatform")
 plugins.register_model("LlamaForCausalLM", "kit_broken_parts:RopeOffByOne")
 plugins.register_proposer("corrupting", "kit_broken_parts:CorruptingProposer")
+plugins.register_quantization_method("neighbour-scale", "kit_broken_parts:NeighbourScaleInt8")
+plugins.register_quantization_method("keeps-float", "kit_broken_parts:KeepsFloatInt8")
 """
 
 
@@ -62,6 +64,10 @@ def pytest_tokenmill_tiny_checkpoint(arch, path):
 CAUSAL_LMS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 """The first-party models the kit checks (not ``DeepSeekMTPModel``: a draft module, no LM)."""
 
+ONLINE_QUANTIZATION = ("int8", "w8a8", "int4", "fp8")
+"""The first-party quantization methods that quantize float weights (the others load
+pre-quantized checkpoints only; tests/test_quant_checkpoints.py covers them)."""
+
 
 def test_first_party_cpu_parts_pass(tmp_path):
     (tmp_path / "conftest.py").write_text(DEEPSEEK_CONFTEST)
@@ -72,6 +78,7 @@ def test_first_party_cpu_parts_pass(tmp_path):
         "--tokenmill-platform", "cpu",
         *models,
         "--tokenmill-proposer", "ngram", "--tokenmill-proposer", "draft_model",
+        *[arg for method in ONLINE_QUANTIZATION for arg in ("--tokenmill-quantization", method)],
         pythonpath=[TESTS],
     )
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
@@ -87,6 +94,7 @@ def test_first_party_cpu_parts_pass(tmp_path):
         "model 'DeepseekV3ForCausalLM'": "5 of 5 contract points passed",
         "proposer 'ngram'": "4 of 4 contract points passed",
         "proposer 'draft_model'": "4 of 4 contract points passed",
+        **{f"quantization method '{m}'": "5 of 5 contract points passed" for m in ONLINE_QUANTIZATION},
     }, result.stdout[-4000:]
 
 
@@ -131,6 +139,7 @@ def test_broken_parts_fail_at_their_contract_point(tmp_path):
         "--tokenmill-platform", "unregistered-candidate",
         "--tokenmill-model", "LlamaForCausalLM",
         "--tokenmill-proposer", "corrupting",
+        "--tokenmill-quantization", "neighbour-scale", "--tokenmill-quantization", "keeps-float",
         pythonpath=[TESTS],
     )
     out = result.stdout
@@ -148,6 +157,9 @@ def test_broken_parts_fail_at_their_contract_point(tmp_path):
         "test_greedy_unchanged[corrupting-plain]",
         "test_greedy_unchanged[corrupting-chunked-prefill]",
         "test_greedy_unchanged[corrupting-preemption]",
+        "test_output_matches_dequantized_matmul[neighbour-scale-1]",
+        "test_output_matches_dequantized_matmul[neighbour-scale-3]",
+        "test_loaded_memory_below_float[keeps-float]",
     }, out[-6000:]
     for message in (
         "the cache differs from the reference after the K/V writes",
@@ -155,8 +167,12 @@ def test_broken_parts_fail_at_their_contract_point(tmp_path):
         "name unregistered backend(s) ['no-such-backend']",
         "greedy tokens differ from transformers on prompt 0",
         "changed the greedy tokens of prompt",
+        "layer output differs from dequantize-then-matmul",
+        "bytes of weights, float32 needs",
     ):
         assert message in out, message
     report = summary(out)
     assert report["attention backend 'no-gqa'"] == "4 of 6 contract points passed"
     assert report["model 'LlamaForCausalLM'"] == "4 of 5 contract points passed"
+    assert report["quantization method 'neighbour-scale'"] == "3 of 5 contract points passed"
+    assert report["quantization method 'keeps-float'"] == "4 of 5 contract points passed"

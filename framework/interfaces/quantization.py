@@ -31,6 +31,11 @@ class LinearMethod(ABC):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """Repack weights once all are loaded (transpose, quantize, ...)."""
 
+    def dequantize(self, layer: nn.Module) -> torch.Tensor:
+        """The float weight ``[out, in]`` that ``apply`` multiplies by, after loading: the
+        conformance kit checks ``apply`` against ``x @ dequantize(layer).T``."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement dequantize")
+
 
 class QuantizationMethod(ABC):
     """A registered quantization scheme, built from a checkpoint's ``quantization_config`` or

@@ -4,7 +4,8 @@
 by a hash of the sources, flags, compiler and CPU, and loaded with ctypes. On x86-64 the kernels
 need AVX2 and FMA (``csrc/vec.h``); where the build fails they are off.
 
-They run on contiguous float32 CPU tensors; callers (the CPU platform's op table, the
+They run on contiguous float32 CPU tensors (and the quantized weights of ``cpu_quant``, which
+wraps ``quant_int.c`` and ``quant_fp8.c``); callers (the CPU platform's op table, the
 ``cpu_sdpa`` backend) check :func:`supports` and otherwise use their torch path. The OpenMP
 runtime they link is the one torch already loaded, so they share its threads.
 ``TOKENMILL_DISABLE_CPU_KERNELS=1`` turns them all off.
@@ -30,7 +31,7 @@ from tokenmill import envs
 
 logger = logging.getLogger(__name__)
 
-SOURCES = ("attention.c", "norm.c", "activation.c", "rotary.c", "gguf.c")
+SOURCES = ("attention.c", "norm.c", "activation.c", "rotary.c", "gguf.c", "quant_int.c", "quant_fp8.c")
 FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 # TOKENMILL_CPU_ISA: the compiler's instruction-set flags and the /proc/cpuinfo flags they need.
 ISA_FLAGS: dict[str, tuple[list[str], tuple[str, ...]]] = {
@@ -50,6 +51,14 @@ SIGNATURES = {
     "rotary_embedding": [_PTR, _PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _INT, _INT],
     "gguf_matmul": [_INT, _PTR, _I64, _PTR, _I64, _I64, _PTR, _I64, _INT],
     "gguf_dequantize": [_INT, _PTR, _I64, _I64, _I64, _PTR, _INT],
+    "int8_linear": [_PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _INT],
+    "int8_dequantize": [_PTR, _PTR, _PTR, _I64, _I64, _INT],
+    "int4_linear": [_PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _INT],
+    "int4_dequantize": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _INT],
+    "quantize_rows_int8": [_PTR, _PTR, _PTR, _I64, _I64, _I64, _INT],
+    "w8a8_linear": [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _INT],
+    "fp8_linear": [_PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _INT],
+    "fp8_dequantize": [_PTR, _PTR, _PTR, _I64, _I64, _INT],
 }
 
 

@@ -1,10 +1,11 @@
 """The conformance kit's pytest plugin (entry point ``pytest11``: active wherever tokenmill is
 installed, inert unless one of its options is given).
 
-``pytest --tokenmill-plugin NAME`` checks every platform, attention backend, model and
-speculative-decoding proposer that the ``tokenmill.plugins`` entry point ``NAME`` registers;
-``--tokenmill-backend``, ``--tokenmill-platform``, ``--tokenmill-model`` and
-``--tokenmill-proposer`` pick single parts (each may repeat). The
+``pytest --tokenmill-plugin NAME`` checks every platform, attention backend, model,
+speculative-decoding proposer and quantization method that the ``tokenmill.plugins`` entry
+point ``NAME`` registers; ``--tokenmill-backend``, ``--tokenmill-platform``,
+``--tokenmill-model``, ``--tokenmill-proposer`` and ``--tokenmill-quantization`` pick single
+parts (each may repeat). The
 suites are the ``suite_*`` modules next to this one, one test per contract point; without
 explicit test paths only they run. A summary lists each part's contract points."""
 
@@ -21,6 +22,7 @@ SUITES = {
     "platforms": ("tokenmill.testing.suite_platform", "tokenmill_platform", "--tokenmill-platform"),
     "models": ("tokenmill.testing.suite_model", "tokenmill_model", "--tokenmill-model"),
     "proposers": ("tokenmill.testing.suite_proposer", "tokenmill_proposer", "--tokenmill-proposer"),
+    "quantization_methods": ("tokenmill.testing.suite_quant", "tokenmill_quantization", "--tokenmill-quantization"),
 }
 """kind -> (suite module, the fixture naming the part under test, the option picking one)."""
 
@@ -29,6 +31,7 @@ LABELS = {
     "platforms": "platform",
     "models": "model",
     "proposers": "proposer",
+    "quantization_methods": "quantization method",
 }
 
 

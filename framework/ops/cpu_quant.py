@@ -1,0 +1,123 @@
+"""The quantized-weight CPU kernels (``csrc/quant_int.c``, ``csrc/quant_fp8.c``): linear layers
+on int8, group-wise int4 and FP8 (e4m3fn) weights, the matching dequantizers, and W8A8's
+dynamic per-row activation quantizer.
+
+Inputs ``x`` are 2-D float32 CPU tensors with contiguous rows (any row stride); weights and
+their scales are contiguous, as the quantization methods in ``tokenmill.quant`` store them.
+Callers check :func:`tokenmill.ops.cpu.supports` first.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tokenmill.ops.cpu import load
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def int8_linear(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``x @ (weight * scale[:, None]).T + bias`` for int8 ``weight`` [N, K], float ``scale`` [N]."""
+    (m, k), n = x.shape, weight.shape[0]
+    out = x.new_empty(m, n)
+    load().int8_linear(
+        out.data_ptr(), x.data_ptr(), x.stride(0), weight.data_ptr(), scale.data_ptr(),
+        _ptr(bias), m, n, k, torch.get_num_threads(),
+    )
+    return out
+
+
+def _out(out: torch.Tensor | None, n: int, k: int) -> torch.Tensor:
+    if out is None:
+        return torch.empty(n, k)
+    assert out.shape == (n, k) and out.dtype == torch.float32 and out.is_contiguous()
+    return out
+
+
+def int8_dequantize(weight: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``weight * scale[:, None]`` as float32 [N, K] (into ``out`` when given)."""
+    n, k = weight.shape
+    out = _out(out, n, k)
+    load().int8_dequantize(out.data_ptr(), weight.data_ptr(), scale.data_ptr(), n, k, torch.get_num_threads())
+    return out
+
+
+def int4_linear(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    minimum: torch.Tensor,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """``x @ W.T + bias`` for a group-wise int4 weight: ``packed`` uint8 [N, K/2] (see
+    ``tokenmill.quant.int4.pack``), ``scale`` and ``minimum`` float [N, K/group]."""
+    (m, k), n = x.shape, packed.shape[0]
+    out = x.new_empty(m, n)
+    load().int4_linear(
+        out.data_ptr(), x.data_ptr(), x.stride(0), packed.data_ptr(), scale.data_ptr(),
+        minimum.data_ptr(), _ptr(bias), m, n, k, k // scale.shape[1], torch.get_num_threads(),
+    )
+    return out
+
+
+def int4_dequantize(
+    packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The float32 weight [N, K] of a group-wise int4 one (into ``out`` when given)."""
+    n, k = packed.shape[0], packed.shape[1] * 2
+    out = _out(out, n, k)
+    load().int4_dequantize(
+        out.data_ptr(), packed.data_ptr(), scale.data_ptr(), minimum.data_ptr(), n, k,
+        k // scale.shape[1], torch.get_num_threads(),
+    )
+    return out
+
+
+def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row int8 codes of ``x`` [M, K] in [-127, 127] and their scales [M]
+    (``max|row| / 127``; 1 for a zero row)."""
+    m, k = x.shape
+    q = torch.empty(m, k, dtype=torch.int8)
+    scale = torch.empty(m)
+    load().quantize_rows_int8(q.data_ptr(), scale.data_ptr(), x.data_ptr(), x.stride(0), m, k, torch.get_num_threads())
+    return q, scale
+
+
+def w8a8_linear(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``x`` quantized per row to int8, times int8 ``weight`` [N, K] in int32, rescaled by both
+    scales, plus ``bias``."""
+    xq, xscale = quantize_rows_int8(x)
+    (m, k), n = x.shape, weight.shape[0]
+    out = x.new_empty(m, n)
+    load().w8a8_linear(
+        out.data_ptr(), xq.data_ptr(), xscale.data_ptr(), weight.data_ptr(), scale.data_ptr(),
+        _ptr(bias), m, n, k, torch.get_num_threads(),
+    )
+    return out
+
+
+def fp8_linear(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``x @ (weight.float() * scale[:, None]).T + bias`` for float8_e4m3fn ``weight`` [N, K]."""
+    (m, k), n = x.shape, weight.shape[0]
+    out = x.new_empty(m, n)
+    load().fp8_linear(
+        out.data_ptr(), x.data_ptr(), x.stride(0), weight.data_ptr(), scale.data_ptr(),
+        _ptr(bias), m, n, k, torch.get_num_threads(),
+    )
+    return out
+
+
+def fp8_dequantize(weight: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``weight.float() * scale[:, None]`` as float32 [N, K] (into ``out`` when given)."""
+    n, k = weight.shape
+    out = _out(out, n, k)
+    load().fp8_dequantize(out.data_ptr(), weight.data_ptr(), scale.data_ptr(), n, k, torch.get_num_threads())
+    return out

@@ -1,0 +1,87 @@
+/* The float micro-kernel of the quantized linear kernels: every input row times a block of
+   NR weight rows that the caller has dequantized into a float buffer. */
+#pragma once
+#include "vec.h"
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+/* Eight int8 / uint8 values widened to int32 lanes (vpmovsxbd / vpmovzxbd: GCC lowers 8-byte
+   vector conversions element by element). */
+static inline v8i widen_i8(const int8_t *p) {
+#if defined(__AVX2__)
+    return (v8i)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
+#else
+    v8i v;
+    for (int i = 0; i < 8; ++i) v[i] = p[i];
+    return v;
+#endif
+}
+
+static inline v8i widen_u8(const uint8_t *p) {
+#if defined(__AVX2__)
+    return (v8i)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+#else
+    v8i v;
+    for (int i = 0; i < 8; ++i) v[i] = p[i];
+    return v;
+#endif
+}
+
+#define NR 4  /* weight rows per block */
+/* Input rows per tile: MR x NR accumulators, MR input vectors and one weight vector fit the
+   16 vector registers of AVX2 with MR = 3, the 32 of AVX-512 with MR = 4. */
+#if defined(__AVX512F__)
+#define MR 4
+#else
+#define MR 3
+#endif
+
+/* acc[m][j] = dot(x row m, wb row j) for m < mr, j < NR over K columns. */
+static inline __attribute__((always_inline)) void
+tile(const float *x, int64_t ldx, const int mr, const float *wb, int64_t K, float acc[MR][NR]) {
+    v8 a[MR][NR];
+    for (int m = 0; m < mr; ++m)
+        for (int j = 0; j < NR; ++j) a[m][j] = (v8){0};
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) {
+        v8 xv[MR];
+        for (int m = 0; m < mr; ++m) xv[m] = loadv(x + m * ldx + k);
+        for (int j = 0; j < NR; ++j) {
+            const v8 w = loadv(wb + j * K + k);
+            for (int m = 0; m < mr; ++m) a[m][j] += xv[m] * w;
+        }
+    }
+    for (int m = 0; m < mr; ++m) {
+        hsum4(a[m][0], a[m][1], a[m][2], a[m][3], acc[m]);
+        for (int64_t kk = k; kk < K; ++kk)
+            for (int j = 0; j < NR; ++j) acc[m][j] += x[m * ldx + kk] * wb[j * K + kk];
+    }
+}
+
+/* out[m, n0 + j] = (x[m] . wb[j]) * scale[n0 + j] (scale may be NULL) + bias[n0 + j] (may be
+   NULL) for every input row m and j < nr. */
+static void rows_times_block(float *out, const float *x, int64_t ldx, const float *wb, int nr,
+                             const float *scale, const float *bias, int64_t M, int64_t N,
+                             int64_t K, int64_t n0) {
+    float acc[MR][NR];
+    for (int64_t m0 = 0; m0 < M; m0 += MR) {
+        const int mr = M - m0 < MR ? (int)(M - m0) : MR;
+        const float *xm = x + m0 * ldx;
+        switch (mr) {
+#if MR == 4
+            case 4: tile(xm, ldx, 4, wb, K, acc); break;
+#endif
+            case 3: tile(xm, ldx, 3, wb, K, acc); break;
+            case 2: tile(xm, ldx, 2, wb, K, acc); break;
+            default: tile(xm, ldx, 1, wb, K, acc); break;
+        }
+        for (int m = 0; m < mr; ++m)
+            for (int j = 0; j < nr; ++j) {
+                float v = acc[m][j];
+                if (scale) v *= scale[n0 + j];
+                if (bias) v += bias[n0 + j];
+                out[(m0 + m) * N + n0 + j] = v;
+            }
+    }
+}

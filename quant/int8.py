@@ -1,0 +1,71 @@
+"""INT8 weights, quantized online from a float checkpoint: symmetric, one scale per output
+channel (round to nearest). ``int8`` computes with float activations (weight-only);
+``w8a8`` also quantizes each activation row to int8 (dynamic, symmetric) and sums the
+products in int32, as vLLM's W8A8 int8 schemes do."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tokenmill.interfaces.quantization import LinearMethod, QuantizationMethod
+from tokenmill.ops import cpu_quant
+from tokenmill.quant.base import OnlineQuantizedLinearMethod, workspace
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row symmetric int8 codes in [-127, 127] of ``weight`` [N, K] and their scales [N]
+    (``max|row| / 127``; 1 for a zero row)."""
+    amax = weight.abs().amax(dim=-1)
+    scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
+    q = torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scale.float()
+
+
+class Int8LinearMethod(OnlineQuantizedLinearMethod):
+    """``x @ (q * scale).T``: float activations times int8 weights."""
+
+    def quantize(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        q, scale = quantize_int8(weight)
+        return {"weight": q, "weight_scale": scale}
+
+    def dequantize(self, layer: nn.Module) -> torch.Tensor:
+        return layer.weight.float() * layer.weight_scale[:, None]
+
+    def cpu_apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return cpu_quant.int8_linear(x, layer.weight, layer.weight_scale, bias)
+
+    def cpu_dequantize(self, layer: nn.Module) -> torch.Tensor:
+        return cpu_quant.int8_dequantize(layer.weight, layer.weight_scale, workspace(*layer.weight.shape))
+
+
+class W8A8LinearMethod(Int8LinearMethod):
+    """Activations quantized per row to int8 as well; int32 sums on every path."""
+
+    gemm_rows = None
+
+    def cpu_apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return cpu_quant.w8a8_linear(x, layer.weight, layer.weight_scale, bias)
+
+    def torch_apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1]).float()
+        xq, xscale = quantize_int8(rows)
+        out = (xq.float() @ layer.weight.float().T) * (xscale[:, None] * layer.weight_scale)
+        out = out.to(x.dtype).view(*x.shape[:-1], -1)
+        return out if bias is None else out + bias
+
+
+class Int8Config(QuantizationMethod):
+    """``quantization="int8"``: every linear layer of the model (not the embedding or LM head)."""
+
+    linear_method_cls: type[LinearMethod] = Int8LinearMethod
+
+    def get_linear_method(self, layer: nn.Module, prefix: str) -> LinearMethod:
+        return self.linear_method_cls()
+
+
+class W8A8Int8Config(Int8Config):
+    """``quantization="w8a8"``: int8 weights and dynamically quantized int8 activations."""
+
+    linear_method_cls = W8A8LinearMethod
+

@@ -1,0 +1,196 @@
+"""Pre-quantized checkpoints (GPTQ, AWQ, FP8, compressed-tensors) load as stored: a tiny Llama
+whose linear weights are known int4 / FP8 values, packed the way those tools pack them, computes
+what a float checkpoint of the same dequantized weights computes. Variants the kernels cannot
+run are refused by name."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import make_tiny_checkpoint
+from tokenmill import LLM
+from tokenmill.layers.linear import LinearBase
+from tokenmill.testing.checkpoints import engine_greedy, random_prompts
+
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+GROUP = 32
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+
+
+def _pack_rows(values: np.ndarray) -> np.ndarray:
+    """GPTQ's qweight packing: eight 4-bit rows per int32 row, row ``8i + j`` at bits ``4j``."""
+    out = np.zeros((values.shape[0] // 8, values.shape[1]), dtype=np.uint32)
+    for j in range(8):
+        out |= values[j::8].astype(np.uint32) << (4 * j)
+    return out.view(np.int32)
+
+
+def _pack_columns(values: np.ndarray, order=tuple(range(8))) -> np.ndarray:
+    """Eight 4-bit columns per int32: nibble ``i`` holds column ``8c + order[i]``."""
+    out = np.zeros((values.shape[0], values.shape[1] // 8), dtype=np.uint32)
+    for i in range(8):
+        out |= values[:, order[i]::8].astype(np.uint32) << (4 * i)
+    return out.view(np.int32)
+
+
+def _quantized_variant(src: Path, dst: Path, fmt: str, ref: Path) -> None:
+    """Write ``dst``: ``src`` with its linear weights replaced by random int4 codes (``fmt``
+    gptq or awq) or FP8 values, and ``ref``: a float checkpoint of the dequantized weights."""
+    shutil.copytree(src, dst)
+    shutil.copytree(src, ref)
+    tensors = load_file(str(src / "model.safetensors"))
+    quant, floats = {}, {}
+    gen = torch.Generator().manual_seed(1)
+    for name, w in tensors.items():
+        if not any(f".{p}.weight" in name for p in LINEARS):
+            quant[name] = floats[name] = w
+            continue
+        base = name.removesuffix(".weight")
+        n, k = w.shape
+        if fmt == "fp8":
+            scale = w.abs().amax() / 448
+            q = (w / scale).to(torch.float8_e4m3fn)
+            quant[name], quant[f"{base}.weight_scale"] = q, scale.reshape(1)
+            floats[name] = q.float() * scale
+            continue
+        codes = torch.randint(0, 16, (k, n), generator=gen)
+        zeros = torch.randint(1, 16, (k // GROUP, n), generator=gen)
+        scales = (torch.rand(k // GROUP, n, generator=gen) * 0.02 + 0.01).half()
+        groups = torch.arange(k) // GROUP
+        floats[name] = ((codes - zeros[groups]) * scales.float()[groups]).T.contiguous()
+        if fmt == "gptq":
+            quant[f"{base}.qweight"] = torch.from_numpy(_pack_rows(codes.numpy()))
+            quant[f"{base}.qzeros"] = torch.from_numpy(_pack_columns((zeros - 1).numpy()))
+            quant[f"{base}.g_idx"] = groups.to(torch.int32)
+        else:
+            quant[f"{base}.qweight"] = torch.from_numpy(_pack_columns(codes.numpy(), AWQ_ORDER))
+            quant[f"{base}.qzeros"] = torch.from_numpy(_pack_columns(zeros.numpy(), AWQ_ORDER))
+        quant[f"{base}.scales"] = scales
+    save_file(quant, str(dst / "model.safetensors"))
+    save_file(floats, str(ref / "model.safetensors"))
+    config = json.loads((dst / "config.json").read_text())
+    config["quantization_config"] = {
+        "gptq": {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": False, "sym": False},
+        "awq": {"quant_method": "awq", "bits": 4, "group_size": GROUP, "zero_point": True, "version": "gemm"},
+        "fp8": {"quant_method": "fp8", "activation_scheme": "dynamic"},
+    }[fmt]
+    (dst / "config.json").write_text(json.dumps(config))
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return Path(make_tiny_checkpoint(tmp_path_factory.mktemp("float"), "llama"))
+
+
+def _model(llm: LLM):
+    return llm.llm_engine.engine_core.engine_core.executor.worker.model_runner.model
+
+
+ENGINE = dict(block_size=8, max_model_len=256, num_kv_blocks=64)
+
+
+@pytest.mark.parametrize("fmt", ["gptq", "awq", "fp8"])
+def test_checkpoint_loads_as_stored(tiny, tmp_path, fmt):
+    quant, ref = tmp_path / fmt, tmp_path / "reference"
+    _quantized_variant(tiny, quant, fmt, ref)
+    llm = LLM(model=str(quant), **ENGINE)
+    floats = load_file(str(ref / "model.safetensors"))
+    layers = {m.prefix: m for m in _model(llm).modules() if isinstance(m, LinearBase)}
+    qkv = layers["model.layers.0.self_attn.qkv_proj"]
+    expected = torch.cat([floats[f"model.layers.0.self_attn.{p}.weight"] for p in ("q_proj", "k_proj", "v_proj")])
+    torch.testing.assert_close(qkv.linear_method.dequantize(qkv), expected, rtol=0, atol=1e-6)
+    down = layers["model.layers.1.mlp.down_proj"]
+    torch.testing.assert_close(down.linear_method.dequantize(down), floats["model.layers.1.mlp.down_proj.weight"], rtol=0, atol=1e-6)
+    prompts = random_prompts(256)
+    tokens = engine_greedy(quant, prompts, 12, **ENGINE)[0]
+    assert tokens == engine_greedy(ref, prompts, 12, **ENGINE)[0]
+
+
+def test_compressed_tensors_fp8_checkpoint_keeps_ignored_layers_float(tiny, tmp_path):
+    quant, ref = tmp_path / "ct", tmp_path / "reference"
+    _quantized_variant(tiny, quant, "fp8", ref)
+    tensors = load_file(str(quant / "model.safetensors"))
+    floats = load_file(str(ref / "model.safetensors"))
+    for name in [n for n in tensors if ".mlp.down_proj." in n]:  # the ignored layers: float
+        tensors.pop(name)
+    for name in [n for n in floats if ".mlp.down_proj." in n]:
+        tensors[name] = floats[name]
+    for name in [n for n in tensors if n.endswith("weight_scale")]:  # per channel, [N, 1]
+        tensors[name] = tensors[name].expand(tensors[name.replace("_scale", "")].shape[0]).reshape(-1, 1).contiguous()
+    save_file(tensors, str(quant / "model.safetensors"))
+    config = json.loads((quant / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "config_groups": {"group_0": {
+            "targets": ["Linear"],
+            "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True},
+            "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True},
+        }},
+        "ignore": ["lm_head", "re:.*down_proj"],
+    }
+    (quant / "config.json").write_text(json.dumps(config))
+    llm = LLM(model=str(quant), **ENGINE)
+    down = next(m for m in _model(llm).modules() if getattr(m, "prefix", "").endswith("down_proj"))
+    assert down.weight.dtype == torch.float32
+    prompts = random_prompts(256)
+    del llm
+    assert engine_greedy(quant, prompts, 12, **ENGINE)[0] == engine_greedy(ref, prompts, 12, **ENGINE)[0]
+
+
+@pytest.mark.parametrize(
+    "quantization_config, message",
+    [
+        ({"quant_method": "gptq", "bits": 8, "group_size": 32}, r"gptq checkpoints with 8-bit weights are not supported; 4-bit ones are"),
+        ({"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": True}, r"GPTQ checkpoints with desc_act \(act-order\) are not supported"),
+        ({"quant_method": "awq", "bits": 4, "zero_point": False}, r"AWQ checkpoints without zero points are not supported"),
+        ({"quant_method": "fp8", "activation_scheme": "static"}, r"fp8 checkpoints with static activation scales are not supported"),
+        ({"quant_method": "fp8", "weight_block_size": [128, 128]}, r"block-wise weight scales \(weight_block_size=\[128, 128\]\) are not supported"),
+        (
+            {"quant_method": "compressed-tensors", "config_groups": {"g": {"weights": {"num_bits": 4, "type": "int", "strategy": "group"}}}},
+            r"compressed-tensors: weights of type 'int', 4 bits, strategy 'group' are not supported; 8-bit float",
+        ),
+    ],
+)
+def test_unsupported_checkpoint_variants_are_refused(tiny, tmp_path, quantization_config, message):
+    path = tmp_path / "ckpt"
+    shutil.copytree(tiny, path)
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = quantization_config
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=message):
+        LLM(model=str(path), **ENGINE)
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_checkpoint_formats_are_not_online_methods(tiny, method):
+    with pytest.raises(ValueError, match=rf"{method} loads {method.upper()} checkpoints; for online int4 quantization use quantization='int4'"):
+        LLM(model=str(tiny), quantization=method, **ENGINE)
+
+
+def test_unknown_method_and_platform_refusal_name_what_would_run(tiny, monkeypatch):
+    from tokenmill.platforms.cpu import CpuPlatform
+
+    with pytest.raises(ValueError, match=r"quantization method 'int3' is not registered; registered: awq, .*int4, int8, w8a8"):
+        LLM(model=str(tiny), quantization="int3", **ENGINE)
+    monkeypatch.setattr(CpuPlatform, "supported_quantization", ("fp8",))
+    with pytest.raises(ValueError, match=r"platform 'cpu' does not run quantization 'int8'; it runs: fp8"):
+        LLM(model=str(tiny), quantization="int8", **ENGINE)
+
+
+def test_act_order_g_idx_is_refused(tiny, tmp_path):
+    quant, ref = tmp_path / "gptq", tmp_path / "reference"
+    _quantized_variant(tiny, quant, "gptq", ref)
+    tensors = load_file(str(quant / "model.safetensors"))
+    name = "model.layers.0.mlp.down_proj.g_idx"
+    tensors[name] = tensors[name].flip(0).contiguous()
+    save_file(tensors, str(quant / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp.down_proj: GPTQ act-order .* is not supported"):
+        LLM(model=str(quant), **ENGINE)
