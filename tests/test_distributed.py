@@ -19,8 +19,8 @@ from deepseek_checkpoints import save_deepseek
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import EngineConfig
 from tokenmill.engine.async_llm import AsyncLLM
+from tokenmill.engine.output_processor import RequestOutputKind
 from tokenmill.testing.checkpoints import random_prompts, save_tiny_checkpoint
-from tokenmill.worker.executor import ExecutorDeadError
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 TINY = dict(block_size=8, max_model_len=256, num_kv_blocks=64)
@@ -42,6 +42,14 @@ def worker_processes(parent: int) -> list[int]:
         if int(fields[1]) == parent and fields[0] != "Z" and b"multiproc_executor" in cmdline:
             found.append(int(entry))
     return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
 
 
 def generate(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY) -> list[list[int]]:
@@ -98,27 +106,42 @@ def tiny_models(tmp_path_factory) -> dict[str, str]:
     }
 
 
+ROUND_PREFIX = random_prompts(256, (24,), seed=3)[0]
+ROUND_PROMPTS = [ROUND_PREFIX + p for p in random_prompts(256, (3, 9, 17, 24) * 2, seed=4)]
+ROUND_PARAMS = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+
 def run_rounds(llm: LLM) -> tuple[list[list[int]], dict[str, int]]:
     """Prompts sharing a prefix, in a KV cache too small for all of them (preemption), then
     the first few again (prefix-cache hits): their tokens and the engine's stats."""
-    prefix = random_prompts(256, (24,), seed=3)[0]
-    prompts = [prefix + p for p in random_prompts(256, (3, 9, 17, 24) * 2, seed=4)]
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    tokens = generate(llm, prompts, params) + generate(llm, prompts[:3], params)
+    tokens = generate(llm, ROUND_PROMPTS, ROUND_PARAMS) + generate(llm, ROUND_PROMPTS[:3], ROUND_PARAMS)
     return tokens, llm.get_stats()
+
+
+async def run_rounds_async(engine: AsyncLLM) -> list[list[int]]:
+    """``run_rounds`` through ``AsyncLLM``."""
+
+    async def one(prompt: list[int]) -> list[int]:
+        async for out in engine.generate(
+            {"prompt_token_ids": prompt}, ROUND_PARAMS, output_kind=RequestOutputKind.FINAL_ONLY
+        ):
+            last = out
+        return list(last.outputs[0].token_ids)
+
+    first = await asyncio.gather(*(one(p) for p in ROUND_PROMPTS))
+    return first + await asyncio.gather(*(one(p) for p in ROUND_PROMPTS[:3]))
 
 
 SMALL_CACHE = dict(block_size=8, max_model_len=128, num_kv_blocks=16)
 
 
-@pytest.mark.parametrize("name", ["llama-1-kv-head", "deepseek-v3"])
-def test_tp2_matches_tp1_with_preemption_and_prefix_caching(tiny_models, name):
-    """A KV head replicated on both ranks and row-parallel biases counted once (Llama); MLA
-    heads and MoE experts split over ranks (DeepSeek-V3). Preemption and prefix-cache hits
-    happen as with one rank, and every block comes back."""
-    expected, expected_stats = run_rounds(LLM(tiny_models[name], **SMALL_CACHE))
+def test_tp2_deepseek_matches_tp1_with_preemption_and_prefix_caching(tiny_models):
+    """MLA heads and MoE experts split over ranks (DeepSeek-V3): tokens, preemptions and
+    prefix-cache hits as with one rank, and every block comes back."""
+    path = tiny_models["deepseek-v3"]
+    expected, expected_stats = run_rounds(LLM(path, **SMALL_CACHE))
     assert expected_stats["num_preemptions"] > 0 and expected_stats["prefix_cache_hit_tokens"] > 0
-    llm = LLM(tiny_models[name], tensor_parallel_size=2, **SMALL_CACHE)
+    llm = LLM(path, tensor_parallel_size=2, **SMALL_CACHE)
     try:
         tokens, stats = run_rounds(llm)
         assert tokens == expected
@@ -129,19 +152,26 @@ def test_tp2_matches_tp1_with_preemption_and_prefix_caching(tiny_models, name):
         shutdown(llm)
 
 
-def test_killed_worker_fails_requests_fast_and_leaves_no_process(tiny_models):
-    """Behind the engine process: the in-flight stream fails with an error naming the rank
-    within seconds, the engine reports dead, and no worker outlives it."""
+def test_tp2_llama_behind_the_engine_process_then_a_worker_is_killed(tiny_models):
+    """A KV head replicated on both ranks and row-parallel biases counted once, served from
+    the engine-core process: one rank's tokens with preemption and prefix hits. Then a
+    killed worker fails the in-flight stream within seconds with an error naming the rank,
+    the engine reports dead, and no worker outlives it."""
+    path = tiny_models["llama-1-kv-head"]
+    expected, _ = run_rounds(LLM(path, **SMALL_CACHE))
 
     async def run() -> None:
-        engine = AsyncLLM.from_engine_args(
-            model=tiny_models["llama-1-kv-head"], tensor_parallel_size=2, **TINY
-        )
+        engine = AsyncLLM.from_engine_args(model=path, tensor_parallel_size=2, **SMALL_CACHE)
         try:
+            assert await run_rounds_async(engine) == expected
+            stats = engine.get_stats()
+            assert stats["num_preemptions"] > 0 and stats["prefix_cache_hit_tokens"] > 0
+            assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
             core_pid = engine.engine_core.pid
             workers = worker_processes(core_pid)
             assert len(workers) == 2
-            params = SamplingParams(temperature=0, max_tokens=240, ignore_eos=True)
+            params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
             stream = await engine.add_request({"prompt_token_ids": [1, 2, 3]}, params)
             await stream.__anext__()
             os.kill(max(workers), signal.SIGKILL)
@@ -158,14 +188,6 @@ def test_killed_worker_fails_requests_fast_and_leaves_no_process(tiny_models):
             engine.shutdown()
 
     asyncio.run(run())
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def test_ray_executor_matches_tp1(tiny_models):

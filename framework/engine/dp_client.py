@@ -1,16 +1,17 @@
 """``DPClient``: data parallelism, several engine cores behind one front end (vLLM V1's
 data-parallel client with its coordinator's load balancing, in one process).
 
-Each of the ``data_parallel_size`` cores is an ``MPClient``: its own busy-loop process, with
-its own executor (tensor-parallel workers too, when asked) and KV cache. A new request goes to
-the core with the lowest score ``waiting * 4 + running``, counted from the core's latest
-stats plus the requests sent to it since (as waiting); ties go to the lowest rank. Aborts and
-finishes follow a request to the core that owns it. Every core's outputs reach one
-``output_handler``; if any core dies, the engine is dead.
+Each of the ``data_parallel_size`` cores is an ``MPClient`` (all started at once): its own
+busy-loop process, with its own executor (tensor-parallel workers too, when asked) and KV
+cache. A new request goes to the core with the lowest score ``waiting * 4 + running``,
+counted from the core's latest stats plus the requests sent to it since (as waiting); ties go
+to the lowest rank. Aborts and finishes follow a request to the core that owns it. Every
+core's outputs reach one ``output_handler``; if any core dies, the engine is dead.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import copy
 import functools
 import threading
@@ -38,16 +39,19 @@ class DPClient(EngineCoreClient):
         size = config.data_parallel_size
         self._sent_since_stats = [0] * size
         self._num_routed = [0] * size
-        self.cores: list[MPClient] = []
-        try:
-            for rank in range(size):
-                core_config = copy.copy(config)
-                core_config.data_parallel_rank = rank
-                handler = functools.partial(self._on_output, rank)
-                self.cores.append(MPClient(core_config, handler))
-        except BaseException:
+
+        def start(rank: int) -> MPClient:
+            core_config = copy.copy(config)
+            core_config.data_parallel_rank = rank
+            return MPClient(core_config, functools.partial(self._on_output, rank))
+
+        with concurrent.futures.ThreadPoolExecutor(size) as pool:
+            futures = [pool.submit(start, rank) for rank in range(size)]
+        self.cores = [f.result() for f in futures if f.exception() is None]
+        errors = [f.exception() for f in futures if f.exception() is not None]
+        if errors:
             self.shutdown()
-            raise
+            raise errors[0]
         self.max_model_len = min(c.max_model_len for c in self.cores)
         self.max_prompt_tokens = min(c.max_prompt_tokens for c in self.cores)
 
