@@ -44,7 +44,7 @@ def worker_processes(parent: int) -> list[int]:
     return found
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except OSError:
@@ -181,7 +181,7 @@ def test_tp2_llama_behind_the_engine_process_then_a_worker_is_killed(tiny_models
                     pass
             assert time.monotonic() - start < 5
             deadline = time.monotonic() + 5
-            while engine.is_running() or any(_alive(p) for p in workers + [core_pid]):
+            while engine.is_running() or any(alive(p) for p in workers + [core_pid]):
                 assert time.monotonic() < deadline, "engine or workers still alive"
                 await asyncio.sleep(0.1)
         finally:
