@@ -5,8 +5,9 @@ result back), and optionally ``mp`` at more ranks (plus the all-reduces).
 
     python benchmarks/executor_overhead.py [--batch 1 --output-len 64 --tp 1 3]
 
-Each configuration runs in this process one after the other; the first request of each warms
-it up. Step time is wall time over the decode steps of a batch that decodes together.
+All engines are built first, then measured in alternating rounds (the best round of each
+kept), so load on a shared machine hits them alike. Step time is wall time over the decode
+steps of a batch that decodes together, after a warm-up request.
 """
 
 from __future__ import annotations
@@ -31,14 +32,19 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--tp", type=int, nargs="*", default=[1], help="mp ranks to measure")
+    parser.add_argument("--repeats", type=int, default=3, help="alternating rounds; best kept")
     args = parser.parse_args()
     runs = [("uni", 1)] + [("mp", tp) for tp in args.tp]
-    results = {}
-    for backend, tp in runs:
-        llm = LLM(distributed_executor_backend=backend, tensor_parallel_size=tp, num_kv_blocks=256)
-        results[backend, tp] = step_ms(llm, args.batch, args.output_len)
+    engines = {
+        run: LLM(distributed_executor_backend=run[0], tensor_parallel_size=run[1], num_kv_blocks=256)
+        for run in runs
+    }
+    results = {run: float("inf") for run in runs}
+    for _ in range(args.repeats):
+        for run, llm in engines.items():
+            results[run] = min(results[run], step_ms(llm, args.batch, args.output_len))
+    for llm in engines.values():
         llm.llm_engine.engine_core.shutdown()
-        del llm
     base = results["uni", 1]
     for (backend, tp), ms in results.items():
         print(f"{backend:>3} tp={tp}: {ms:7.2f} ms/step ({ms / base:.2f}x uni)")
