@@ -4,6 +4,7 @@ abort requests while the engine core steps without pause in its own process."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 from collections.abc import AsyncGenerator
@@ -289,7 +290,9 @@ class AsyncLLM:
         }
         children = [c for r in doomed for c in doomed[r]]
         if children and self._dead is None:
-            self.engine_core.abort_requests(children)
+            # A core that died since (its death notice not yet handled) holds nothing.
+            with contextlib.suppress(EngineDeadError):
+                self.engine_core.abort_requests(children)
         out.abort(children)
         for request_id in doomed:
             self._streams.pop(request_id).put(error)
