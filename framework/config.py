@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, get_args
 
 import torch
 
@@ -13,6 +13,7 @@ from tokenmill.core.kv_cache_utils import check_hash_algo
 from tokenmill.engine_args import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     MAX_DEFAULT_MODEL_LEN,
+    DistributedExecutorBackend,
     EngineArgs,
 )
 from tokenmill.interfaces.platform import Platform
@@ -34,9 +35,10 @@ class EngineConfig(EngineArgs):
     ``finalize()`` fills the derived fields (model path, HF config, platform, torch dtype,
     lengths).
 
-    Settings whose feature has not landed (quantization without a registered method, an FP8 KV cache, tensor/pipeline/data parallelism) raise
-    ``ValueError`` rather than being ignored; so does ``gpu_memory_utilization`` (None: 0.9
-    on GPUs) on a CPU platform.
+    Settings whose feature has not landed (quantization without a registered method, an FP8
+    KV cache, pipeline parallelism) raise ``ValueError`` rather than being ignored; so does
+    ``gpu_memory_utilization`` (None: 0.9 on GPUs) on a CPU platform, and a tensor-parallel
+    size that does not divide the model's attention heads.
     """
 
     model_path: str = field(init=False, default="")
@@ -46,6 +48,8 @@ class EngineConfig(EngineArgs):
     torch_dtype: torch.dtype = field(init=False, default=torch.float32)
     speculative: SpeculativeConfig | None = field(init=False, default=None)
     draft_hf_config: Any = field(init=False, default=None)
+    data_parallel_rank: int = field(init=False, default=0)
+    """Which of the ``data_parallel_size`` engine cores this configuration builds."""
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
@@ -86,15 +90,30 @@ class EngineConfig(EngineArgs):
             )
         if self.speculative_config is not None:
             self.speculative = SpeculativeConfig.from_dict(self.speculative_config)
+        if self.distributed_executor_backend not in (None, *get_args(DistributedExecutorBackend)):
+            raise ValueError(
+                f"distributed_executor_backend must be one of "
+                f"{', '.join(get_args(DistributedExecutorBackend))} or None, got "
+                f"{self.distributed_executor_backend!r}"
+            )
+        if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:
+            raise ValueError(
+                f"distributed_executor_backend='uni' runs one worker; tensor_parallel_size="
+                f"{self.tensor_parallel_size} needs 'mp' or 'ray'"
+            )
+        if self.tensor_parallel_size > 1 and self.speculative is not None:
+            raise ValueError(
+                f"speculative decoding with tensor parallelism is not implemented yet "
+                f"(tensor_parallel_size={self.tensor_parallel_size}); leave "
+                f"speculative_config at None"
+            )
         self._refuse_missing_features()
 
     def _refuse_missing_features(self) -> None:
         defaults = {f.name: f.default for f in fields(self)}
         for feature, name, wanted in (
             ("an FP8 KV cache", "kv_cache_dtype", self.kv_cache_dtype != "auto"),
-            ("tensor parallelism", "tensor_parallel_size", self.tensor_parallel_size > 1),
             ("pipeline parallelism", "pipeline_parallel_size", self.pipeline_parallel_size > 1),
-            ("data parallelism", "data_parallel_size", self.data_parallel_size > 1),
         ):
             if wanted:
                 raise ValueError(
@@ -112,6 +131,7 @@ class EngineConfig(EngineArgs):
         self.platform_cls = select_platform(self.platform)
         self.torch_dtype = self._resolve_dtype()
         self._check_quantization()
+        self._check_tensor_parallel()
         if self.speculative is not None:
             self._check_speculative(self.speculative)
         if self.gpu_memory_utilization is not None and self.platform_cls.device_type == "cpu":
@@ -174,6 +194,38 @@ class EngineConfig(EngineArgs):
         self.quantization = "gguf"
         self.weights_path = path
         self.model_path = metadata_dir(path, cache_dir())
+
+    @property
+    def executor_backend(self) -> str:
+        """``distributed_executor_backend``, resolved: uni for one rank, else mp unless set."""
+        if self.distributed_executor_backend is not None:
+            return self.distributed_executor_backend
+        return "uni" if self.tensor_parallel_size == 1 else "mp"
+
+    def _check_tensor_parallel(self) -> None:
+        """Each rank must hold whole attention heads (KV heads split evenly, or replicated
+        when there are fewer than ranks) and an equal slice of the MLPs."""
+        tp = self.tensor_parallel_size
+        if tp == 1:
+            return
+        hf = self.hf_config
+        heads = hf.num_attention_heads
+        kv_heads = getattr(hf, "num_key_value_heads", None) or heads
+        kv_split = kv_heads % tp == 0 if kv_heads >= tp else tp % kv_heads == 0
+        if getattr(hf, "kv_lora_rank", None) is not None:
+            kv_split = True  # MLA: every rank holds the one latent all heads share
+        if heads % tp or not kv_split:
+            raise ValueError(
+                f"tensor_parallel_size={tp} does not split the model's {heads} attention heads "
+                f"and {kv_heads} KV heads evenly: it must divide the attention heads, and divide "
+                f"the KV heads or be a multiple of them"
+            )
+        for name in ("intermediate_size", "moe_intermediate_size"):
+            size = getattr(hf, name, None)
+            if isinstance(size, int) and size % tp:
+                raise ValueError(
+                    f"tensor_parallel_size={tp} does not divide the model's {name} ({size})"
+                )
 
     def _check_speculative(self, spec: SpeculativeConfig) -> None:
         """The method must be a registered proposer; a draft model must share the target's

@@ -5,7 +5,7 @@ its help text. Kept free of torch so that the ``tokenmill`` command parses and f
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from tokenmill.core.kv_cache_utils import PrefixCachingHashAlgo
 from tokenmill.envs import ENVIRONMENT_VARIABLES
@@ -14,6 +14,8 @@ from tokenmill.logprobs import LogprobsMode
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 MAX_DEFAULT_MODEL_LEN = 32768
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+
+DistributedExecutorBackend = Literal["uni", "mp", "ray"]
 
 
 def _arg(default: Any, help: str, **cli: Any) -> Any:
@@ -84,10 +86,24 @@ class EngineArgs:
         "disable_by_batch_size",
     )
     tensor_parallel_size: int = _arg(
-        1, "tensor-parallel ranks (above 1: not implemented yet)", flags=("-tp",)
+        1,
+        "tensor-parallel ranks: each holds a slice of every layer's heads and MLP, one worker "
+        "process (or Ray actor) per rank",
+        flags=("-tp",),
     )
     pipeline_parallel_size: int = _arg(1, "pipeline stages (above 1: not implemented yet)")
-    data_parallel_size: int = _arg(1, "data-parallel engines (above 1: not implemented yet)")
+    data_parallel_size: int = _arg(
+        1,
+        "data-parallel engine cores behind one front end (AsyncLLM, 'tokenmill serve'), each "
+        "with its own executor and KV cache; requests go to the least loaded",
+        flags=("-dp",),
+    )
+    distributed_executor_backend: DistributedExecutorBackend | None = _arg(
+        None,
+        "how the engine runs its workers: uni (one worker in the engine process), mp (a "
+        "process per tensor-parallel rank) or ray (Ray actors, across machines); None: uni, "
+        "or mp above one rank",
+    )
     seed: int = _arg(0, "seed of the engine's random generator")
     scheduling_policy: str = _arg(
         "fcfs", "fcfs (arrival order) or priority (lower priority value first, then arrival)"

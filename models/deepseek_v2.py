@@ -21,7 +21,7 @@ from torch import nn
 from tokenmill.distributed.parallel_state import get_tensor_model_parallel_world_size
 from tokenmill.layers.fused_moe import FusedMoE
 from tokenmill.layers.layernorm import RMSNorm
-from tokenmill.layers.linear import ReplicatedLinear
+from tokenmill.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from tokenmill.layers.mla_attention import MLAAttention
 from tokenmill.layers.rotary_embedding import get_rope, rope_config, yarn_get_mscale
 from tokenmill.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
@@ -58,12 +58,14 @@ def is_moe_layer(config: Any, layer_idx: int) -> bool:
 class DeepseekV2MLAAttention(nn.Module):
     """Query (direct or through the ``q_lora_rank`` bottleneck), the joint latent
     ``kv_a_proj_with_mqa`` → ``kv_c`` (normalised) + ``k_pe`` (rotated), MLA over the latent
-    cache, then ``o_proj``."""
+    cache, then ``o_proj``. Under tensor parallelism each rank holds its share of the heads
+    (query, ``kv_b_proj`` and ``o_proj`` rows split by head) and the whole latent."""
 
     def __init__(self, config: Any, prefix: str = "") -> None:
         super().__init__()
         hidden = config.hidden_size
-        self.num_heads = config.num_attention_heads
+        total_heads = config.num_attention_heads
+        self.num_heads = total_heads // get_tensor_model_parallel_world_size()
         self.qk_nope_head_dim = config.qk_nope_head_dim
         self.qk_rope_head_dim = config.qk_rope_head_dim
         self.qk_head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
@@ -71,28 +73,30 @@ class DeepseekV2MLAAttention(nn.Module):
         self.kv_lora_rank = config.kv_lora_rank
         self.q_lora_rank = getattr(config, "q_lora_rank", None)
         bias = bool(getattr(config, "attention_bias", False))
-        q_out = self.num_heads * self.qk_head_dim
+        q_out = total_heads * self.qk_head_dim
         if self.q_lora_rank is not None:
             self.q_a_proj = ReplicatedLinear(
                 hidden, self.q_lora_rank, bias=bias, prefix=f"{prefix}.q_a_proj"
             )
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, config.rms_norm_eps)
-            self.q_b_proj = ReplicatedLinear(
+            self.q_b_proj = ColumnParallelLinear(
                 self.q_lora_rank, q_out, bias=False, prefix=f"{prefix}.q_b_proj"
             )
         else:
-            self.q_proj = ReplicatedLinear(hidden, q_out, bias=False, prefix=f"{prefix}.q_proj")
+            self.q_proj = ColumnParallelLinear(
+                hidden, q_out, bias=False, prefix=f"{prefix}.q_proj"
+            )
         self.kv_a_proj_with_mqa = ReplicatedLinear(
             hidden, self.kv_lora_rank + self.qk_rope_head_dim, bias=bias,
             prefix=f"{prefix}.kv_a_proj_with_mqa",
         )
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, config.rms_norm_eps)
-        self.kv_b_proj = ReplicatedLinear(
-            self.kv_lora_rank, self.num_heads * (self.qk_nope_head_dim + self.v_head_dim),
+        self.kv_b_proj = ColumnParallelLinear(
+            self.kv_lora_rank, total_heads * (self.qk_nope_head_dim + self.v_head_dim),
             bias=False, prefix=f"{prefix}.kv_b_proj",
         )
-        self.o_proj = ReplicatedLinear(
-            self.num_heads * self.v_head_dim, hidden, bias=bias, prefix=f"{prefix}.o_proj"
+        self.o_proj = RowParallelLinear(
+            total_heads * self.v_head_dim, hidden, bias=bias, prefix=f"{prefix}.o_proj"
         )
         rope_theta, rope_scaling = rope_config(config)
         self.rotary_emb = get_rope(
@@ -158,6 +162,7 @@ class DeepseekV2MoE(nn.Module):
                 config.moe_intermediate_size * config.n_shared_experts,
                 config.hidden_act,
                 prefix=f"{prefix}.shared_experts",
+                reduce_results=False,
             )
         self.experts = FusedMoE(
             config.n_routed_experts,
@@ -302,10 +307,6 @@ class DeepseekV2ForCausalLM(nn.Module):
 
     def __init__(self, config: Any, prefix: str = "") -> None:
         super().__init__()
-        if get_tensor_model_parallel_world_size() > 1:
-            raise NotImplementedError(
-                f"{type(self).__name__} does not support tensor parallelism yet"
-            )
         self.config = config
         self.model = DeepseekV2Model(config, prefix=maybe_prefix(prefix, "model"), v3=self.is_v3)
         self.lm_head = ParallelLMHead(

@@ -33,7 +33,8 @@ def maybe_prefix(prefix: str, name: str) -> str:
 
 
 class LlamaMLP(nn.Module):
-    """SwiGLU MLP with gate and up fused into one GEMM."""
+    """SwiGLU MLP with gate and up fused into one GEMM. ``reduce_results=False`` leaves each
+    tensor-parallel rank's partial sum for the caller to all-reduce."""
 
     def __init__(
         self,
@@ -42,6 +43,7 @@ class LlamaMLP(nn.Module):
         hidden_act: str,
         bias: bool = False,
         prefix: str = "",
+        reduce_results: bool = True,
     ) -> None:
         super().__init__()
         if hidden_act != "silu":
@@ -50,7 +52,11 @@ class LlamaMLP(nn.Module):
             hidden_size, [intermediate_size] * 2, bias=bias, prefix=f"{prefix}.gate_up_proj"
         )
         self.down_proj = RowParallelLinear(
-            intermediate_size, hidden_size, bias=bias, prefix=f"{prefix}.down_proj"
+            intermediate_size,
+            hidden_size,
+            bias=bias,
+            reduce_results=reduce_results,
+            prefix=f"{prefix}.down_proj",
         )
         self.act_fn = SiluAndMul()
 

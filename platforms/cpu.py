@@ -130,5 +130,11 @@ class CpuPlatform(Platform):
 
     @classmethod
     def set_num_threads(cls, config: EngineConfig) -> None:
+        """``TOKENMILL_CPU_THREADS``; unset, torch's default, shared out between the ranks
+        when several engine processes (tensor or data parallel) run on this machine."""
         if threads := envs.TOKENMILL_CPU_THREADS:
             torch.set_num_threads(threads)
+            return
+        num_ranks = config.tensor_parallel_size * config.data_parallel_size
+        if num_ranks > 1:
+            torch.set_num_threads(max(1, torch.get_num_threads() // num_ranks))

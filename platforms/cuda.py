@@ -23,6 +23,7 @@ BF16_MIN_CAPABILITY = (8, 0)
 class CudaPlatform(Platform):
     name = "cuda"
     device_type = "cuda"
+    dist_backend = "nccl"
     supported_dtypes = (torch.bfloat16, torch.float16, torch.float32)
     """bfloat16 needs compute capability 8.0 (Ampere); ``check_and_update_config`` enforces it."""
     detection_priority = 10
@@ -73,7 +74,9 @@ class CudaPlatform(Platform):
 
     @classmethod
     def supports_cuda_graphs(cls, config: EngineConfig) -> bool:
-        return True
+        """Single-GPU engines only: tensor-parallel ranks run eager (their collectives are
+        not captured)."""
+        return config.tensor_parallel_size == 1
 
     @classmethod
     def device(cls, rank: int = 0) -> torch.device:

@@ -55,6 +55,21 @@ PYTEST=("$PYTHON" -m pytest -m gpu -q -ra -p no:cacheprovider)
 PYTEST_RC=${PIPESTATUS[0]}
 SUMMARY+=("pytest -m gpu (exit $PYTEST_RC): $(tail -1 "$OUT/pytest_gpu.log")")
 
+# Tensor parallelism over NCCL: its gpu test above needs 2 GPUs; the default model's 9 query /
+# 3 KV heads split over 3 ranks, so its bench needs 3.
+num_gpus=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())')
+if (( num_gpus >= 3 )); then
+    log="$OUT/bench_tp3.log"
+    if "$PYTHON" -m tokenmill bench throughput --tensor-parallel-size 3 --num-prompts 64 \
+        --input-len 256 --output-len 64 --output-json "$OUT/bench_tp3.json" >"$log" 2>&1; then
+        SUMMARY+=("bench tensor-parallel-size 3 (NCCL): $(grep -m1 '^Throughput' "$log")")
+    else
+        SUMMARY+=("bench tensor-parallel-size 3 (NCCL): FAILED (see $log)")
+    fi
+else
+    SUMMARY+=("tensor parallelism over NCCL: not possible with $num_gpus GPU(s) (the test needs 2, the default-model bench 3)")
+fi
+
 # Why a backend cannot serve the default model here (empty: it can).
 backend_reasons() {
     "$PYTHON" - "$1" "$2" <<'EOF'

@@ -29,7 +29,7 @@ def test_n2_request_counts_two_requests_in_every_series(tmp_path):
     path = make_tiny_checkpoint(tmp_path / "m")
     save_byte_tokenizer(path)
     engine = AsyncLLM.from_engine_args(model=path, num_kv_blocks=32, block_size=8, max_model_len=64)
-    metrics = PrometheusMetrics(engine.get_stats, "tiny")
+    metrics = PrometheusMetrics(engine.get_stats, engine.get_engine_stats, "tiny")
     engine.stat_loggers.append(metrics)
     params = SamplingParams(n=2, temperature=1.0, seed=0, max_tokens=4, ignore_eos=True)
 

@@ -1,16 +1,42 @@
 """The tensor-parallel group: rank, size and the two collectives sharded layers need.
 
 Without an initialised ``torch.distributed`` (or with a group of one) everything is the
-identity, so single-device runs pay nothing. The worker that sets up distributed execution
-calls :func:`set_tensor_model_parallel_group`; until then the default (world) group is used.
+identity, so single-device runs pay nothing. A worker of a multi-rank executor calls
+:func:`init_distributed_environment` before it builds the model and
+:func:`destroy_distributed_environment` when it stops; a caller that manages its own process
+group may point the layers at it with :func:`set_tensor_model_parallel_group`.
 """
 
 from __future__ import annotations
+
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 _TP_GROUP: dist.ProcessGroup | None = None
+
+INIT_TIMEOUT = timedelta(minutes=5)
+"""How long ranks wait for each other at rendezvous and in a collective."""
+
+
+def init_distributed_environment(
+    backend: str, init_method: str, rank: int, world_size: int
+) -> None:
+    """Join the ``world_size`` ranks at ``init_method`` (``tcp://host:port``) over ``backend``
+    (the platform's ``dist_backend``); the world group is the tensor-parallel group."""
+    dist.init_process_group(
+        backend, init_method=init_method, rank=rank, world_size=world_size, timeout=INIT_TIMEOUT
+    )
+    set_tensor_model_parallel_group(None)
+
+
+def destroy_distributed_environment() -> None:
+    """Leave the process group after a barrier, so no rank closes its connections while
+    another still uses them."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def set_tensor_model_parallel_group(group: dist.ProcessGroup | None) -> None:

@@ -4,6 +4,7 @@ abort requests while the engine core steps without pause in its own process."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 from collections.abc import AsyncGenerator
@@ -13,6 +14,7 @@ from typing import Any, Protocol
 from tokenmill.config import EngineConfig
 from tokenmill.core.request import RequestStatus
 from tokenmill.engine.core_client import EngineDeadError, MPClient
+from tokenmill.engine.dp_client import DPClient
 from tokenmill.engine.engine_core import EngineCoreOutputs
 from tokenmill.engine.input_processor import InputProcessor, PromptType, load_tokenizer
 from tokenmill.engine.output_processor import OutputProcessor, RequestOutputKind
@@ -93,14 +95,16 @@ class AsyncLLM:
     """Serves concurrent requests from one event loop.
 
     The engine core runs ``EngineCoreProc``'s busy loop in a child process (``MPClient``;
-    with ``engine_process=False``, in a thread of this process): between steps it takes the
-    requests and aborts sent to it, then steps while anything is unfinished, so new requests
-    join the running batch. This process keeps the front end, on the event loop: prompts are
-    validated and tokenized once (``InputProcessor``), so a bad request raises
+    with ``engine_process=False``, in a thread of this process; with
+    ``data_parallel_size > 1``, one process per core behind a ``DPClient``): between steps it
+    takes the requests and aborts sent to it, then steps while anything is unfinished, so new
+    requests join the running batch. This process keeps the front end, on the event loop:
+    prompts are validated and tokenized once (``InputProcessor``), so a bad request raises
     ``ValueError`` to its caller alone, and each step's outputs are detokenized, matched
     against stop strings and streamed (``OutputProcessor``) while the core computes the next
     step. An engine step that raises fails the requests in flight (their streams raise);
-    the core keeps serving. If the core dies, every stream and every later request raises
+    the core keeps serving, unless its executor died (a tensor-parallel worker was lost): then
+    the core exits. If the core dies, every stream and every later request raises
     ``EngineDeadError``.
     """
 
@@ -121,7 +125,16 @@ class AsyncLLM:
         self._ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._dead: EngineDeadError | None = None
-        self.engine_core = MPClient(config, self._on_core_output, in_thread=not engine_process)
+        self.engine_core: MPClient | DPClient
+        if config.data_parallel_size > 1:
+            if not engine_process:
+                raise ValueError(
+                    f"data_parallel_size={config.data_parallel_size} runs each engine core in "
+                    f"its own process; it cannot run with engine_process=False"
+                )
+            self.engine_core = DPClient(config, self._on_core_output)
+        else:
+            self.engine_core = MPClient(config, self._on_core_output, in_thread=not engine_process)
         self.input_processor = InputProcessor(
             config, self.tokenizer, self.engine_core.max_model_len, self.engine_core.max_prompt_tokens
         )
@@ -219,7 +232,8 @@ class AsyncLLM:
         self._dispatch(self.output_processor.abort(children))
 
     def get_stats(self) -> dict[str, int]:
-        """Front-end counters and the engine core's stats as of its latest message."""
+        """Front-end counters and the engine core's stats as of its latest message (with
+        data parallelism, summed over the cores)."""
         out = self.output_processor
         return {
             "num_requests_finished": out.num_requests_finished,
@@ -227,6 +241,10 @@ class AsyncLLM:
             "num_prompt_tokens": out.num_prompt_tokens,
             **self.engine_core.get_stats(),
         }
+
+    def get_engine_stats(self) -> list[dict[str, int]]:
+        """Each engine core's stats, by data-parallel rank."""
+        return self.engine_core.get_engine_stats()
 
     def is_running(self) -> bool:
         return self._dead is None and self.engine_core.is_alive()
@@ -251,7 +269,8 @@ class AsyncLLM:
         out = self.output_processor
         if core_outputs.error is not None:
             logger.error("engine step failed: %s; failing its requests", core_outputs.error)
-            self._fail_all(RuntimeError(f"engine step failed: {core_outputs.error}"))
+            error = RuntimeError(f"engine step failed: {core_outputs.error}")
+            self._fail_all(error, set(core_outputs.failed_req_ids))
             return
         out.mark_scheduled(core_outputs.scheduled_req_ids, core_outputs.timestamp)
         processed = out.process(core_outputs.outputs)
@@ -260,15 +279,23 @@ class AsyncLLM:
                 self.engine_core.finish_requests([child_id], RequestStatus.FINISHED_STOPPED, stop_str)
         self._dispatch(processed.request_outputs)
 
-    def _fail_all(self, error: BaseException) -> None:
-        """Fail every unfinished request with ``error`` and drop it from the core."""
-        children = [c for r in self._streams for c in self.output_processor.unfinished_children(r)]
+    def _fail_all(self, error: BaseException, failed: set[str] | None = None) -> None:
+        """Fail the unfinished requests with ``error`` and drop them from the cores: every
+        one, or (``failed``: the ids a core aborted) those with a child among them."""
+        out = self.output_processor
+        doomed = {
+            r: out.unfinished_children(r)
+            for r in self._streams
+            if failed is None or not failed.isdisjoint(out.unfinished_children(r))
+        }
+        children = [c for r in doomed for c in doomed[r]]
         if children and self._dead is None:
-            self.engine_core.abort_requests(children)
-        self.output_processor.abort(children)
-        streams, self._streams = self._streams, {}
-        for stream in streams.values():
-            stream.put(error)
+            # A core that died since (its death notice not yet handled) holds nothing.
+            with contextlib.suppress(EngineDeadError):
+                self.engine_core.abort_requests(children)
+        out.abort(children)
+        for request_id in doomed:
+            self._streams.pop(request_id).put(error)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:

@@ -65,6 +65,10 @@ class EngineCoreClient:
     def get_stats(self) -> dict[str, int]:
         raise NotImplementedError
 
+    def get_engine_stats(self) -> list[dict[str, int]]:
+        """The stats of each engine core behind this client (one, without data parallelism)."""
+        return [self.get_stats()]
+
     def shutdown(self) -> None:
         """Release the engine core; the client is unusable afterwards."""
 
@@ -94,6 +98,9 @@ class InprocClient(EngineCoreClient):
 
     def get_stats(self) -> dict[str, int]:
         return self.engine_core.get_stats()
+
+    def shutdown(self) -> None:
+        self.engine_core.shutdown()
 
 
 class MPClient(EngineCoreClient):

@@ -20,6 +20,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.core.request import RequestStatus
 from tokenmill.engine.engine_core import EngineCore, EngineCoreOutputs
 from tokenmill.engine.input_processor import EngineCoreRequest
+from tokenmill.worker.executor import ExecutorDeadError
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +92,9 @@ class EngineCoreProc:
         self.parent_pid = parent_pid
 
     def run_busy_loop(self) -> None:
-        """Serve until a shutdown message or the parent's death."""
+        """Serve until a shutdown message or the parent's death. When the executor dies,
+        report the error for the requests in flight and raise: the process ends, and its
+        client sees an engine that died."""
         core = self.engine_core
         while True:
             if self.parent_pid is not None and os.getppid() != self.parent_pid:
@@ -113,10 +116,15 @@ class EngineCoreProc:
             if core.has_unfinished_requests():
                 try:
                     outputs = core.step()
+                except ExecutorDeadError as e:
+                    failed = core.failed_req_ids + core.abort_all_requests()
+                    outputs = EngineCoreOutputs(error=str(e), failed_req_ids=failed)
+                    self.output.send_multipart([OUTPUTS, encoder.encode(outputs)])
+                    raise
                 except Exception as e:
                     logger.exception("engine step failed; aborting every request")
-                    core.abort_all_requests()
-                    outputs = EngineCoreOutputs(error=repr(e))
+                    failed = core.failed_req_ids + core.abort_all_requests()
+                    outputs = EngineCoreOutputs(error=repr(e), failed_req_ids=failed)
             elif changed:
                 outputs = EngineCoreOutputs()
             else:
@@ -163,6 +171,9 @@ def run_engine_core(
             return
         info = EngineCoreInfo(config.max_model_len, core.max_prompt_tokens(), core.get_stats())
         output_socket.send_multipart([READY, encoder.encode(info)])
-        EngineCoreProc(core, input_socket, output_socket, parent_pid).run_busy_loop()
+        try:
+            EngineCoreProc(core, input_socket, output_socket, parent_pid).run_busy_loop()
+        finally:
+            core.shutdown()
     finally:
         context.destroy(linger=1000)

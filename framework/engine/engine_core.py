@@ -14,28 +14,13 @@ from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.scheduler import EngineCoreOutput, Scheduler, SchedulerConfig
 from tokenmill.core.scheduler_output import SchedulerOutput
 from tokenmill.engine.input_processor import EngineCoreRequest
-from tokenmill.interfaces.kv_cache_spec import KVCacheSpec
 from tokenmill.structured_output import StructuredOutputManager
-from tokenmill.worker.executor import UniProcExecutor
+from tokenmill.worker.executor import Executor
 
 logger = logging.getLogger(__name__)
 
 GRAMMAR_WAIT_S = 0.05
 """How long a step with nothing else to run waits for a grammar to compile."""
-
-
-def determine_num_blocks(config: EngineConfig, specs: dict[str, KVCacheSpec]) -> int:
-    """Blocks from ``num_kv_blocks``, else from the byte budget over all layers' page sizes."""
-    if config.num_kv_blocks is not None:
-        return config.num_kv_blocks
-    budget = config.kv_cache_memory_bytes or config.platform_cls.get_kv_cache_budget(config)
-    bytes_per_block = sum(spec.page_size_bytes for spec in specs.values())
-    num_blocks = budget // bytes_per_block
-    if num_blocks < 1:
-        raise ValueError(
-            f"KV-cache budget of {budget} bytes holds no block ({bytes_per_block} bytes each)"
-        )
-    return num_blocks
 
 
 def format_bytes(n: int) -> str:
@@ -53,7 +38,9 @@ class EngineCoreOutputs:
     timestamp: float = 0.0
     stats: dict[str, int] | None = None
     error: str | None = None
-    """Set when a step raised: the core then aborted every request it held."""
+    """Set when a step raised: the core then aborted every request it held, the ids in
+    ``failed_req_ids``."""
+    failed_req_ids: list[str] = field(default_factory=list)
 
 
 class EngineCore:
@@ -62,28 +49,21 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.executor = UniProcExecutor(config)
-        specs = self.executor.get_kv_cache_specs()
-        num_blocks = determine_num_blocks(config, specs)
-        capacity = num_blocks * config.block_size
-        if capacity < config.max_model_len:
-            logger.warning(
-                "KV cache holds %d tokens; lowering max_model_len from %d", capacity, config.max_model_len
-            )
-            config.max_model_len = capacity
-        self.executor.initialize_kv_cache(num_blocks)
-        kv_bytes = num_blocks * sum(spec.page_size_bytes for spec in specs.values())
-        self._log_summary(num_blocks, kv_bytes)
+        self.executor = Executor.get_class(config)(config)
+        try:
+            self._init_kv_cache()
+        except BaseException:
+            self.executor.shutdown()
+            raise
         self.block_hasher = make_block_hasher(config.block_size, config.prefix_caching_hash_algo)
         self.kv_cache_manager = KVCacheManager(
-            num_blocks,
+            self.num_blocks,
             config.block_size,
             config.max_model_len,
             config.enable_prefix_caching,
             config.watermark,
         )
         spec = config.speculative
-        proposer = self.executor.worker.model_runner.proposer
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
@@ -93,7 +73,7 @@ class EngineCore:
                 long_prefill_token_threshold=config.long_prefill_token_threshold,
                 policy=config.scheduling_policy,
                 num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
-                num_lookahead_tokens=proposer.num_lookahead_tokens if proposer else 0,
+                num_lookahead_tokens=self.executor.worker_info.num_lookahead_tokens,
                 disable_by_batch_size=spec.disable_by_batch_size if spec else 0,
             ),
             self.kv_cache_manager,
@@ -101,22 +81,37 @@ class EngineCore:
         self.structured_output_manager = StructuredOutputManager(config)
         self.waiting_for_fsm: dict[str, Request] = {}
         """Requests whose structured-output constraint is still compiling."""
+        self.failed_req_ids: list[str] = []
+        """The requests the latest step that raised finished with an error."""
 
-    def _log_summary(self, num_blocks: int, kv_bytes: int) -> None:
+    def _init_kv_cache(self) -> None:
+        """Size the KV cache by the smallest rank's budget (lowering ``max_model_len`` when
+        it holds less) and allocate it on every rank."""
         config = self.config
-        runner = self.executor.worker.model_runner
-        model_cls = type(runner.model)
+        specs = self.executor.get_kv_cache_specs()
+        num_blocks = self.executor.determine_num_blocks()
+        capacity = num_blocks * config.block_size
+        if capacity < config.max_model_len:
+            logger.warning(
+                "KV cache holds %d tokens; lowering max_model_len from %d", capacity, config.max_model_len
+            )
+            config.max_model_len = capacity
+        self.executor.initialize_kv_cache(num_blocks)
+        self.num_blocks = num_blocks
+        kv_bytes = num_blocks * sum(spec.page_size_bytes for spec in specs.values())
+        info = self.executor.worker_info
         logger.info(
-            "model %s.%s from %s, dtype %s, max_model_len %d; platform %s; "
-            "attention backend %s (%s); KV cache %d blocks of %d tokens (%s)",
-            model_cls.__module__,
-            model_cls.__qualname__,
+            "model %s from %s, dtype %s, max_model_len %d; platform %s; attention backend %s "
+            "(%s); %s executor, %d rank(s); KV cache %d blocks of %d tokens (%s per rank)",
+            info.model_cls,
             config.model_path,
             str(config.torch_dtype).removeprefix("torch."),
             config.max_model_len,
             config.platform_cls.name,
-            runner.attn_backend.get_name(),
-            runner.attn_backend_reason,
+            info.attention_backend,
+            info.attention_backend_reason,
+            config.executor_backend,
+            config.tensor_parallel_size,
             num_blocks,
             config.block_size,
             format_bytes(kv_bytes),
@@ -150,8 +145,11 @@ class EngineCore:
     def abort_requests(self, req_ids: list[str]) -> None:
         self.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED)
 
-    def abort_all_requests(self) -> None:
-        self.abort_requests([*self.scheduler.requests, *self.waiting_for_fsm])
+    def abort_all_requests(self) -> list[str]:
+        """Abort every request the core holds; their ids."""
+        req_ids = [*self.scheduler.requests, *self.waiting_for_fsm]
+        self.abort_requests(req_ids)
+        return req_ids
 
     def finish_requests(
         self, req_ids: list[str], status: RequestStatus, stop_reason: int | str | None = None
@@ -167,7 +165,8 @@ class EngineCore:
 
     def step(self) -> EngineCoreOutputs:
         """Schedule, execute, update. If execution raises, the step's requests are failed
-        (see ``Scheduler.fail_step``) before the exception propagates; the caller reports them."""
+        (see ``Scheduler.fail_step``; their ids in ``failed_req_ids``) before the exception
+        propagates; the caller reports them."""
         failed = self._admit_compiled()
         if not self.scheduler.has_unfinished_requests():
             return EngineCoreOutputs(failed, timestamp=time.monotonic())
@@ -177,7 +176,7 @@ class EngineCore:
         try:
             model_output = self.executor.execute_model(scheduler_output)
         except Exception:
-            self.scheduler.fail_step(scheduler_output)
+            self.failed_req_ids = self.scheduler.fail_step(scheduler_output)
             raise
         outputs = self.scheduler.update_from_output(
             scheduler_output,
@@ -237,6 +236,10 @@ class EngineCore:
             if self.structured_output_manager.accept_tokens(req, output.new_token_ids):
                 self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
                 output.finish_reason = req.get_finished_reason()
+
+    def shutdown(self) -> None:
+        """Stop the executor's workers; the core is unusable afterwards."""
+        self.executor.shutdown()
 
     def get_stats(self) -> dict[str, int]:
         """Scheduler and KV-cache counters, and speculative decoding's when it is on."""

@@ -25,6 +25,11 @@ logger = logging.getLogger(__name__)
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
+        if config.data_parallel_size > 1:
+            raise ValueError(
+                f"data_parallel_size={config.data_parallel_size}: data parallelism runs engine "
+                f"cores behind AsyncLLM or 'tokenmill serve'; the offline LLM runs one"
+            )
         self.config = config.finalize()
         tokenizer_path = config.tokenizer or config.model_path
         self.tokenizer = load_tokenizer(tokenizer_path)

@@ -29,6 +29,8 @@ class Platform:
     supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32,)
     supported_quantization: ClassVar[tuple[str, ...]] = ()
     """Quantization methods it runs; empty: any registered method (as in vLLM)."""
+    dist_backend: ClassVar[str] = "gloo"
+    """The ``torch.distributed`` backend its tensor-parallel ranks talk over."""
     detection_priority: ClassVar[int] = 0
     """Among available built-in platforms the highest priority wins (CUDA over CPU)."""
     custom_ops: ClassVar[Mapping[str, Callable[..., Any] | str]] = {}

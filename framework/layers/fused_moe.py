@@ -18,7 +18,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.distributed.parallel_state import get_tensor_model_parallel_world_size
+from tokenmill.distributed.parallel_state import (
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+    tensor_model_parallel_all_reduce,
+)
 from tokenmill.layers.build_context import current_build_context
 
 SCORING_FUNCS = ("softmax", "sigmoid")
@@ -106,6 +110,9 @@ def fused_experts_sorted(
 
 class FusedMoE(nn.Module):
     """Routed SwiGLU experts (plus optional always-on ``shared_experts``) on flat [T, H] input.
+    Under tensor parallelism every rank holds all experts, each with a slice of the
+    intermediate dimension; the routed and shared partial sums are all-reduced once, so
+    ``shared_experts`` must not reduce its own output.
 
     ``forward(hidden_states, router_logits)`` routes with :func:`select_experts` and returns
     the routed output plus the shared experts' output. ``e_score_correction_bias`` (a float32
@@ -131,9 +138,12 @@ class FusedMoE(nn.Module):
         prefix: str = "",
     ) -> None:
         super().__init__()
-        if get_tensor_model_parallel_world_size() > 1:
-            raise NotImplementedError(
-                f"{prefix}: FusedMoE does not shard experts across TP ranks yet"
+        self.tp_size = get_tensor_model_parallel_world_size()
+        self.tp_rank = get_tensor_model_parallel_rank()
+        if intermediate_size % self.tp_size:
+            raise ValueError(
+                f"{prefix}: intermediate size {intermediate_size} is not divisible by "
+                f"tensor-parallel size {self.tp_size}"
             )
         if scoring_func not in SCORING_FUNCS:
             raise ValueError(
@@ -151,6 +161,7 @@ class FusedMoE(nn.Module):
         self.top_k = top_k
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
+        self.intermediate_size_per_partition = intermediate_size // self.tp_size
         self.scoring_func = scoring_func
         self.renormalize = renormalize
         self.num_expert_group = num_expert_group
@@ -158,11 +169,12 @@ class FusedMoE(nn.Module):
         self.routed_scaling_factor = routed_scaling_factor
         self.shared_experts = shared_experts
         self.prefix = prefix
+        inter = self.intermediate_size_per_partition
         self.w13_weight = nn.Parameter(
-            torch.empty(num_experts, 2 * intermediate_size, hidden_size), requires_grad=False
+            torch.empty(num_experts, 2 * inter, hidden_size), requires_grad=False
         )
         self.w2_weight = nn.Parameter(
-            torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False
+            torch.empty(num_experts, hidden_size, inter), requires_grad=False
         )
         for param in (self.w13_weight, self.w2_weight):
             param.weight_loader = self.weight_loader
@@ -186,12 +198,18 @@ class FusedMoE(nn.Module):
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, expert_id: int, shard_id: str
     ) -> None:
-        inter = self.intermediate_size
+        """Copy this rank's slice of expert ``expert_id``'s checkpoint projection: rows
+        of the gate (``w1``) and up (``w3``) projections, columns of down (``w2``)."""
+        inter = self.intermediate_size_per_partition
         if shard_id == "w2":
             dst = param.data[expert_id]
+            if loaded_weight.shape[-1] == self.intermediate_size:
+                loaded_weight = loaded_weight.narrow(1, self.tp_rank * inter, inter)
         elif shard_id in ("w1", "w3"):
             offset = 0 if shard_id == "w1" else inter
             dst = param.data[expert_id, offset : offset + inter]
+            if loaded_weight.shape[0] == self.intermediate_size:
+                loaded_weight = loaded_weight.narrow(0, self.tp_rank * inter, inter)
         else:
             raise ValueError(f"{self.prefix}: unknown expert shard {shard_id!r}")
         if dst.shape != loaded_weight.shape:
@@ -228,7 +246,7 @@ class FusedMoE(nn.Module):
             )
         if self.shared_experts is not None:
             out = out + self.shared_experts(hidden_states)
-        return out
+        return tensor_model_parallel_all_reduce(out)
 
     def extra_repr(self) -> str:
         return (

@@ -1,35 +1,105 @@
-"""A worker owns one device: it sets the process up for its platform, holds the model runner
-and answers the executor's calls."""
+"""A worker owns one device: it sets the process up for its platform (joining the
+tensor-parallel group when there are several ranks), holds the model runner and answers the
+executor's calls. The same class serves every executor: in the engine's process (``uni``), in
+a process per rank (``mp``) and as a Ray actor (``ray``)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.scheduler_output import SchedulerOutput
+from tokenmill.distributed.parallel_state import (
+    destroy_distributed_environment,
+    init_distributed_environment,
+)
 from tokenmill.interfaces.kv_cache_spec import KVCacheSpec
 from tokenmill.worker.model_runner import ModelRunner, ModelRunnerOutput
 
 
+@dataclass
+class WorkerInfo:
+    """What the engine core learns from rank 0 once the model is loaded: what runs (for its
+    log line) and how many lookahead slots the proposer needs."""
+
+    model_cls: str
+    attention_backend: str
+    attention_backend_reason: str
+    num_lookahead_tokens: int
+
+
+def determine_num_blocks(config: EngineConfig, specs: dict[str, KVCacheSpec]) -> int:
+    """Blocks from ``num_kv_blocks``, else from the byte budget over all layers' page sizes."""
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    budget = config.kv_cache_memory_bytes or config.platform_cls.get_kv_cache_budget(config)
+    bytes_per_block = sum(spec.page_size_bytes for spec in specs.values())
+    num_blocks = budget // bytes_per_block
+    if num_blocks < 1:
+        raise ValueError(
+            f"KV-cache budget of {budget} bytes holds no block ({bytes_per_block} bytes each)"
+        )
+    return num_blocks
+
+
 class Worker:
-    def __init__(self, config: EngineConfig, rank: int = 0) -> None:
+    """Rank ``rank`` of ``config.tensor_parallel_size``; with more than one rank,
+    ``distributed_init_method`` (``tcp://host:port``) is where the ranks meet. ``local_rank``
+    is the device index on this node (default: after the devices of lower data-parallel
+    ranks' workers)."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        rank: int = 0,
+        distributed_init_method: str | None = None,
+        local_rank: int | None = None,
+    ) -> None:
         self.config = config
         self.rank = rank
         platform = config.platform_cls
         platform.import_kernels()
         platform.set_num_threads(config)
         torch.manual_seed(config.seed)
-        self.device = platform.device(rank)
+        if local_rank is None:
+            local_rank = config.data_parallel_rank * config.tensor_parallel_size + rank
+        self.device = platform.device(local_rank)
+        if config.tensor_parallel_size > 1:
+            assert distributed_init_method is not None
+            init_distributed_environment(
+                platform.dist_backend, distributed_init_method, rank, config.tensor_parallel_size
+            )
         self.model_runner = ModelRunner(config, self.device)
 
     def load_model(self) -> None:
         self.model_runner.load_model()
 
+    def describe(self) -> WorkerInfo:
+        runner = self.model_runner
+        model_cls = type(runner.model)
+        return WorkerInfo(
+            f"{model_cls.__module__}.{model_cls.__qualname__}",
+            runner.attn_backend.get_name(),
+            runner.attn_backend_reason,
+            runner.proposer.num_lookahead_tokens if runner.proposer else 0,
+        )
+
     def get_kv_cache_specs(self) -> dict[str, KVCacheSpec]:
         return self.model_runner.get_kv_cache_specs()
+
+    def determine_num_blocks(self) -> int:
+        """How many KV-cache blocks this rank's budget holds."""
+        return determine_num_blocks(self.config, self.get_kv_cache_specs())
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.model_runner.initialize_kv_cache(num_blocks)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(scheduler_output)
+
+    def shutdown(self) -> None:
+        """Leave the tensor-parallel group (all ranks call it together)."""
+        if self.config.tensor_parallel_size > 1:
+            destroy_distributed_environment()

@@ -73,7 +73,7 @@ def build_app(
     """The FastAPI app serving ``engine`` under ``served_model_names`` (the first is the one
     responses name); it shuts the engine down when the app stops. ``tool_call_parser``: the
     registered tool parser that ``tool_choice="auto"`` uses; None refuses "auto"."""
-    metrics = PrometheusMetrics(engine.get_stats, served_model_names[0])
+    metrics = PrometheusMetrics(engine.get_stats, engine.get_engine_stats, served_model_names[0])
     engine.stat_loggers.append(metrics)
     completions = OpenAIServingCompletion(engine, served_model_names)
     parser = load_tool_parser(tool_call_parser) if tool_call_parser else None

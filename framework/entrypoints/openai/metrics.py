@@ -107,6 +107,10 @@ ENGINE_COUNTERS = {
     "spec_num_drafts": ("spec_decode_num_drafts", "Speculative-decoding drafts."),
     "spec_num_draft_tokens": ("spec_decode_num_draft_tokens", "Draft tokens proposed."),
     "spec_num_accepted_tokens": ("spec_decode_num_accepted_tokens", "Draft tokens accepted."),
+    "num_requests_routed": (
+        "num_requests_routed",
+        "Requests the front end routed to the engine core (data parallelism).",
+    ),
 }
 """get_stats() key -> (metric name after ``tokenmill:``, help); exported as ``..._total``."""
 
@@ -122,49 +126,77 @@ ENGINE_GAUGES = {
 
 
 class EngineStatsCollector(Collector):
-    """Exports ``get_stats()`` as counters and gauges at scrape time."""
+    """Exports the stats as counters and gauges at scrape time: each engine core's
+    (``get_engine_stats()``, one dict per data-parallel rank) with an ``engine`` label, and the
+    front end's counters (the keys of ``get_stats()`` that no core reports) without."""
 
-    def __init__(self, get_stats: Callable[[], dict[str, int]], model_name: str) -> None:
+    def __init__(
+        self,
+        get_stats: Callable[[], dict[str, int]],
+        get_engine_stats: Callable[[], list[dict[str, int]]],
+        model_name: str,
+    ) -> None:
         self.get_stats = get_stats
+        self.get_engine_stats = get_engine_stats
         self.model_name = model_name
 
     def collect(self) -> Iterator[Metric]:
-        stats = self.get_stats()
+        engines = self.get_engine_stats()
+        front_end = {k: v for k, v in self.get_stats().items() if k not in engines[0]}
         for key, (name, doc) in ENGINE_COUNTERS.items():
-            if key in stats:
+            if key in front_end:
                 metric = CounterMetricFamily(f"tokenmill:{name}", doc, labels=["model_name"])
-                metric.add_metric([self.model_name], stats[key])
+                metric.add_metric([self.model_name], front_end[key])
                 yield metric
+            elif key in engines[0]:
+                yield self._per_engine(CounterMetricFamily, name, doc, engines, key)
         positions = sorted(
-            int(key.rsplit("_", 1)[1]) for key in stats if key.startswith(PER_POS_PREFIX)
+            int(key.rsplit("_", 1)[1]) for key in engines[0] if key.startswith(PER_POS_PREFIX)
         )
         if positions:
             per_pos = CounterMetricFamily(
                 "tokenmill:spec_decode_num_accepted_tokens_per_pos",
                 "Draft tokens accepted, by their position in the draft.",
-                labels=["model_name", "position"],
+                labels=["model_name", "engine", "position"],
             )
-            for pos in positions:
-                per_pos.add_metric([self.model_name, str(pos)], stats[f"{PER_POS_PREFIX}{pos}"])
+            for engine, stats in enumerate(engines):
+                for pos in positions:
+                    per_pos.add_metric(
+                        [self.model_name, str(engine), str(pos)], stats[f"{PER_POS_PREFIX}{pos}"]
+                    )
             yield per_pos
         for key, (name, doc) in ENGINE_GAUGES.items():
-            metric = GaugeMetricFamily(f"tokenmill:{name}", doc, labels=["model_name"])
-            metric.add_metric([self.model_name], stats[key])
-            yield metric
+            yield self._per_engine(GaugeMetricFamily, name, doc, engines, key)
         usage = GaugeMetricFamily(
             "tokenmill:kv_cache_usage_perc",
             "Fraction of KV-cache blocks in use.",
-            labels=["model_name"],
+            labels=["model_name", "engine"],
         )
-        total = stats["kv_blocks_total"]
-        usage.add_metric([self.model_name], 1 - stats["kv_blocks_free"] / total if total else 0.0)
+        for engine, stats in enumerate(engines):
+            total = stats["kv_blocks_total"]
+            used = 1 - stats["kv_blocks_free"] / total if total else 0.0
+            usage.add_metric([self.model_name, str(engine)], used)
         yield usage
+
+    def _per_engine(
+        self, family: type, name: str, doc: str, engines: list[dict[str, int]], key: str
+    ) -> Metric:
+        metric = family(f"tokenmill:{name}", doc, labels=["model_name", "engine"])
+        for engine, stats in enumerate(engines):
+            metric.add_metric([self.model_name, str(engine)], stats[key])
+        return metric
 
 
 class PrometheusMetrics:
-    """One registry per server; ``record_finished`` makes it an ``AsyncLLM`` stat logger."""
+    """One registry per server; ``record_finished`` makes it an ``AsyncLLM`` stat logger.
+    ``get_stats`` and ``get_engine_stats`` are the engine's (``AsyncLLM``'s methods)."""
 
-    def __init__(self, get_stats: Callable[[], dict[str, int]], model_name: str) -> None:
+    def __init__(
+        self,
+        get_stats: Callable[[], dict[str, int]],
+        get_engine_stats: Callable[[], list[dict[str, int]]],
+        model_name: str,
+    ) -> None:
         disable_created_metrics()
         self.model_name = model_name
         self.registry = CollectorRegistry()
@@ -189,7 +221,7 @@ class PrometheusMetrics:
         self.queue_time = self._histogram(
             "request_queue_time_seconds", "Time from arrival to first scheduling.", LATENCY_BUCKETS
         )
-        self.registry.register(EngineStatsCollector(get_stats, model_name))
+        self.registry.register(EngineStatsCollector(get_stats, get_engine_stats, model_name))
 
     def _histogram(self, name: str, doc: str, buckets: list[float]) -> Histogram:
         return Histogram(

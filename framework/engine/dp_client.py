@@ -1,0 +1,121 @@
+"""``DPClient``: data parallelism, several engine cores behind one front end (vLLM V1's
+data-parallel client with its coordinator's load balancing, in one process).
+
+Each of the ``data_parallel_size`` cores is an ``MPClient`` (all started at once): its own
+busy-loop process, with its own executor (tensor-parallel workers too, when asked) and KV
+cache. A new request goes to the core with the lowest score ``waiting * 4 + running``,
+counted from the core's latest stats plus the requests sent to it since (as waiting); ties go
+to the lowest rank. Aborts and finishes follow a request to the core that owns it. Every
+core's outputs reach one ``output_handler``; if any core dies, the engine is dead.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import copy
+import functools
+import threading
+from collections.abc import Callable
+
+from tokenmill.config import EngineConfig
+from tokenmill.core.request import RequestStatus
+from tokenmill.engine.core_client import EngineCoreClient, EngineDeadError, MPClient
+from tokenmill.engine.engine_core import EngineCoreOutputs
+from tokenmill.engine.input_processor import EngineCoreRequest
+
+WAITING_WEIGHT = 4
+"""A waiting request counts this many running ones when choosing a core."""
+
+
+class DPClient(EngineCoreClient):
+    def __init__(
+        self,
+        config: EngineConfig,
+        output_handler: Callable[[EngineCoreOutputs | EngineDeadError], None],
+    ) -> None:
+        self.output_handler = output_handler
+        self._lock = threading.Lock()
+        self._owner: dict[str, int] = {}
+        size = config.data_parallel_size
+        self._sent_since_stats = [0] * size
+        self._num_routed = [0] * size
+
+        def start(rank: int) -> MPClient:
+            core_config = copy.copy(config)
+            core_config.data_parallel_rank = rank
+            return MPClient(core_config, functools.partial(self._on_output, rank))
+
+        with concurrent.futures.ThreadPoolExecutor(size) as pool:
+            futures = [pool.submit(start, rank) for rank in range(size)]
+        self.cores = [f.result() for f in futures if f.exception() is None]
+        errors = [f.exception() for f in futures if f.exception() is not None]
+        if errors:
+            self.shutdown()
+            raise errors[0]
+        self.max_model_len = min(c.max_model_len for c in self.cores)
+        self.max_prompt_tokens = min(c.max_prompt_tokens for c in self.cores)
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        with self._lock:
+            rank = min(range(len(self.cores)), key=self._score)
+            self._owner[request.request_id] = rank
+            self._sent_since_stats[rank] += 1
+            self._num_routed[rank] += 1
+        self.cores[rank].add_request(request)
+
+    def abort_requests(self, req_ids: list[str]) -> None:
+        for rank, ids in self._by_owner(req_ids).items():
+            self.cores[rank].abort_requests(ids)
+
+    def finish_requests(
+        self, req_ids: list[str], status: RequestStatus, stop_reason: int | str | None = None
+    ) -> None:
+        for rank, ids in self._by_owner(req_ids).items():
+            self.cores[rank].finish_requests(ids, status, stop_reason)
+
+    def get_stats(self) -> dict[str, int]:
+        """Every core's stats, summed."""
+        total: dict[str, int] = {}
+        for stats in self.get_engine_stats():
+            for key, value in stats.items():
+                total[key] = total.get(key, 0) + value
+        return total
+
+    def get_engine_stats(self) -> list[dict[str, int]]:
+        """Each core's stats, with ``num_requests_routed``: the requests sent to it."""
+        return [
+            {**core.get_stats(), "num_requests_routed": routed}
+            for core, routed in zip(self.cores, self._num_routed)
+        ]
+
+    def is_alive(self) -> bool:
+        return all(core.is_alive() for core in self.cores)
+
+    def shutdown(self) -> None:
+        for core in self.cores:
+            core.shutdown()
+
+    def _score(self, rank: int) -> int:
+        stats = self.cores[rank].get_stats()
+        waiting = stats["num_waiting_requests"] + self._sent_since_stats[rank]
+        return waiting * WAITING_WEIGHT + stats["num_running_requests"]
+
+    def _by_owner(self, req_ids: list[str]) -> dict[int, list[str]]:
+        """The requests grouped by the core that owns them, which forgets them."""
+        groups: dict[int, list[str]] = {}
+        with self._lock:
+            for req_id in req_ids:
+                rank = self._owner.pop(req_id, None)
+                if rank is not None:
+                    groups.setdefault(rank, []).append(req_id)
+        return groups
+
+    def _on_output(self, rank: int, item: EngineCoreOutputs | EngineDeadError) -> None:
+        """Runs on core ``rank``'s receiving thread."""
+        if isinstance(item, EngineCoreOutputs):
+            with self._lock:
+                self._sent_since_stats[rank] = 0
+                for output in item.outputs:
+                    if output.finish_reason is not None:
+                        self._owner.pop(output.req_id, None)
+        self.output_handler(item)
