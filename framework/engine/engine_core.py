@@ -108,15 +108,14 @@ class EngineCore:
         model_cls = type(runner.model)
         logger.info(
             "model %s.%s from %s, dtype %s, max_model_len %d; platform %s; "
-            "attention backend %s (%s); KV cache %d blocks of %d tokens (%s)",
+            "%s; KV cache %d blocks of %d tokens (%s)",
             model_cls.__module__,
             model_cls.__qualname__,
             config.model_path,
             str(config.torch_dtype).removeprefix("torch."),
             config.max_model_len,
             config.platform_cls.name,
-            runner.attn_backend.get_name(),
-            runner.attn_backend_reason,
+            runner.attn_selector.describe(),
             num_blocks,
             config.block_size,
             format_bytes(kv_bytes),
