@@ -11,4 +11,5 @@ def register_attention_backends(register):
     register("flash_attn", "tokenmill.attention_backends.flash_attn:FlashAttentionBackend")
     register("flashinfer", "tokenmill.attention_backends.flashinfer:FlashInferBackend")
     register("torch_mla", "tokenmill.attention_backends.torch_mla:TorchMLABackend")
+    register("cpu_mla", "tokenmill.attention_backends.cpu_mla:CpuMLABackend")
     register("triton_mla", "tokenmill.attention_backends.triton_mla:TritonMLABackend")

@@ -19,6 +19,11 @@ the reference backend, all about moving fewer bytes:
   of each step (blocks and masks) is made once per window, on first use, and shared by every
   layer with that window.
 
+An FP8 cache (``kv_cache_dtype="fp8"``) is quantized on write; the C kernel reads float8
+directly, the torch paths convert the blocks they gather, and a fresh prefill attends over its
+own K/V rounded through float8 (what a later read of the cache returns), so a prefix-cache hit
+and a recomputation after preemption see the same values as the first run.
+
 Padding up to a whole block reads slots that may hold another request's values or be
 unwritten; they are masked out, and since the model runner zero-fills the cache they are always
 finite (a NaN there would leak through ``0 * NaN`` in the weighted sum).
@@ -40,6 +45,8 @@ from tokenmill.interfaces.attention import (
     CommonAttentionMetadata,
 )
 from tokenmill.ops import cpu as cpu_ops
+from tokenmill.quant import kv_cache as kv_quant
+from tokenmill.quant.kv_cache import KV_CACHE_DTYPES
 
 
 MAX_DECODE_QUERY_LEN = 8
@@ -161,8 +168,9 @@ class CpuSdpaImpl(AttentionImpl):
         key_cache, value_cache = kv_cache[0], kv_cache[1]
         flat_k = key_cache.view(num_blocks * bs, self.num_kv_heads, self.head_size)
         flat_v = value_cache.view(num_blocks * bs, self.num_kv_heads, self.head_size)
-        flat_k.index_copy_(0, attn_metadata.slot_mapping, key[:n].to(flat_k.dtype))
-        flat_v.index_copy_(0, attn_metadata.slot_mapping, value[:n].to(flat_v.dtype))
+        ks, vs = self.k_scale, self.v_scale
+        kv_quant.write(flat_k, attn_metadata.slot_mapping, key[:n], ks)
+        kv_quant.write(flat_v, attn_metadata.slot_mapping, value[:n], vs)
         gqa = self.num_heads != self.num_kv_heads
         plan = attn_metadata.plan(self.sliding_window)
 
@@ -170,7 +178,8 @@ class CpuSdpaImpl(AttentionImpl):
             s, e = chunk.token_start, chunk.token_end
             q = query[s:e].transpose(0, 1)[None]
             if chunk.block_ids is None:
-                k, v = key[s:e].transpose(0, 1)[None], value[s:e].transpose(0, 1)[None]
+                k = kv_quant.round_trip(key[s:e], ks, kv_cache.dtype).transpose(0, 1)[None]
+                v = kv_quant.round_trip(value[s:e], vs, kv_cache.dtype).transpose(0, 1)[None]
                 out = F.scaled_dot_product_attention(
                     q,
                     k,
@@ -181,8 +190,8 @@ class CpuSdpaImpl(AttentionImpl):
                     enable_gqa=gqa,
                 )
             else:
-                k = self._gather(key_cache, chunk.block_ids)[None]
-                v = self._gather(value_cache, chunk.block_ids)[None]
+                k = kv_quant.read(self._gather(key_cache, chunk.block_ids), ks, query.dtype)[None]
+                v = kv_quant.read(self._gather(value_cache, chunk.block_ids), vs, query.dtype)[None]
                 ctx = chunk.mask.shape[1]
                 out = F.scaled_dot_product_attention(
                     q, k[..., :ctx, :], v[..., :ctx, :], attn_mask=chunk.mask, scale=self.scale, enable_gqa=gqa
@@ -190,7 +199,12 @@ class CpuSdpaImpl(AttentionImpl):
             output[s:e] = out[0].transpose(0, 1)
 
         decode = plan.decode
-        if decode is not None and self.head_size % 8 == 0 and cpu_ops.supports(query, kv_cache):
+        if (
+            decode is not None
+            and self.head_size % 8 == 0
+            and cpu_ops.supports(query)
+            and cpu_ops.supports_kv_cache(kv_cache)
+        ):
             cpu_ops.paged_decode_attention(
                 query,
                 output,
@@ -202,13 +216,15 @@ class CpuSdpaImpl(AttentionImpl):
                 decode.max_len,
                 self.scale,
                 self.sliding_window,
+                ks,
+                vs,
             )
         elif decode is not None:
             group = self.num_heads // self.num_kv_heads
             b = decode.token_idx.shape[0]
             q = query[decode.token_idx].view(b, self.num_kv_heads, group, self.head_size)
-            k = self._gather(key_cache, decode.block_ids)
-            v = self._gather(value_cache, decode.block_ids)
+            k = kv_quant.read(self._gather(key_cache, decode.block_ids), ks, query.dtype)
+            v = kv_quant.read(self._gather(value_cache, decode.block_ids), vs, query.dtype)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=decode.mask, scale=self.scale)
             output[decode.token_idx] = out.reshape(b, self.num_heads, self.head_size)
         return output
@@ -224,6 +240,7 @@ class CpuSdpaImpl(AttentionImpl):
 
 class CpuSdpaBackend(AttentionBackend):
     supports_sliding_window = True
+    supported_kv_cache_dtypes = tuple(KV_CACHE_DTYPES)
 
     @staticmethod
     def get_name() -> str:

@@ -11,7 +11,9 @@ then:
   directly, and ``W_UV`` turns the attended latent into the heads' values. The history is never
   decompressed.
 
-The metadata is the torch reference backend's (decode rows and padded slots, chunk slots).
+The metadata is the torch reference backend's (decode rows and padded slots, chunk slots). An
+FP8 cache stores ``latent / k_scale`` (one scale for the whole latent, as vLLM's) and the reads
+multiply back (``tokenmill.quant.kv_cache``).
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ from tokenmill.interfaces.attention import (
     AttentionImpl,
     AttentionMetadataBuilder,
 )
+from tokenmill.quant import kv_cache as kv_quant
+from tokenmill.quant.kv_cache import KV_CACHE_DTYPES
 
 
 class TorchMLAImpl(AttentionImpl):
@@ -76,15 +80,18 @@ class TorchMLAImpl(AttentionImpl):
         the cache as flat [num_slots, L+R] rows."""
         cache = kv_cache.view(-1, self.head_size)
         n = slots.shape[0]
-        cache.index_copy_(0, slots, torch.cat((kv_c[:n], k_pe[:n]), dim=-1).to(cache.dtype))
+        kv_quant.write(cache, slots, torch.cat((kv_c[:n], k_pe[:n]), dim=-1), self.k_scale)
         return cache
+
+    def read_latents(self, cache: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The cached latents at ``slots`` as ``dtype``."""
+        return kv_quant.read(cache[slots], self.k_scale, dtype)
 
     def attend_decompressed(
         self, q: torch.Tensor, latents: torch.Tensor, mask: torch.Tensor
     ) -> torch.Tensor:
         """Queries ``q`` [Q, H, nope+rope] over context latents [S, L+R] with ``mask`` [Q, S],
         keys and values decompressed through ``kv_b_proj``: [Q, H, v]."""
-        latents = latents.to(q.dtype)
         num_ctx = latents.shape[0]
         kv = F.linear(latents[:, : self.kv_lora_rank], self.kv_b_proj.weight).view(
             num_ctx, self.num_heads, self.qk_nope_head_dim + self.v_head_dim
@@ -120,7 +127,6 @@ class TorchMLAImpl(AttentionImpl):
         ``mask`` [B, S], in latent space: [B, H, v]. All heads share the latents, so scores and
         the attended latent are two batched GEMMs with the heads as rows (on the CPU about 15×
         faster than SDPA broadcasting one KV head to all query heads)."""
-        latents = latents.to(q.dtype)
         scores = torch.bmm(self.absorb_query(q), latents.transpose(1, 2)).mul_(self.scale)
         scores.masked_fill_(~mask.unsqueeze(1), float("-inf"))
         o_lat = torch.bmm(scores.softmax(dim=-1), latents[..., : self.kv_lora_rank])
@@ -133,7 +139,7 @@ class TorchMLAImpl(AttentionImpl):
         assert md.decode_slots is not None and md.decode_pos is not None
         k_pos = torch.arange(md.decode_slots.shape[1], device=q.device)
         mask = causal_mask(md.decode_pos, k_pos, None)
-        return self.attend_absorbed(q, cache[md.decode_slots], mask)
+        return self.attend_absorbed(q, self.read_latents(cache, md.decode_slots, q.dtype), mask)
 
     def forward(
         self,
@@ -155,13 +161,17 @@ class TorchMLAImpl(AttentionImpl):
             k_pos = torch.arange(chunk.slots.shape[0], device=query.device)
             mask = causal_mask(chunk.q_pos, k_pos, None)
             output[chunk.token_start : chunk.token_end] = self.attend_decompressed(
-                query[chunk.token_start : chunk.token_end], cache[chunk.slots], mask
+                query[chunk.token_start : chunk.token_end],
+                self.read_latents(cache, chunk.slots, query.dtype),
+                mask,
             )
         return output
 
 
 class TorchMLABackend(AttentionBackend):
     """The reference MLA backend: runs on any device torch runs on."""
+
+    supported_kv_cache_dtypes = tuple(KV_CACHE_DTYPES)
 
     @staticmethod
     def get_name() -> str:

@@ -6,7 +6,8 @@ context gathered back through its block table. Single-token (decode) requests ar
 one padded SDPA call (padding re-reads the request's own first slot, which is always written,
 so an uninitialised cache is never read); multi-token chunks run one SDPA call each with a causal mask offset by the
 cached prefix. A layer with a sliding window masks out keys that fell out of it (the whole context
-is still gathered: this backend is the reference, not the fast path).
+is still gathered: this backend is the reference, not the fast path). An FP8 cache is quantized
+on write and read back as the query's dtype (``tokenmill.quant.kv_cache``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from tokenmill.interfaces.attention import (
     AttentionMetadataBuilder,
     CommonAttentionMetadata,
 )
+from tokenmill.quant import kv_cache as kv_quant
+from tokenmill.quant.kv_cache import KV_CACHE_DTYPES
 
 
 def causal_mask(
@@ -119,15 +122,16 @@ class TorchRefImpl(AttentionImpl):
         n = attn_metadata.num_actual_tokens
         key_cache = kv_cache[0].view(-1, self.num_kv_heads, self.head_size)
         value_cache = kv_cache[1].view(-1, self.num_kv_heads, self.head_size)
-        key_cache.index_copy_(0, attn_metadata.slot_mapping, key[:n].to(key_cache.dtype))
-        value_cache.index_copy_(0, attn_metadata.slot_mapping, value[:n].to(value_cache.dtype))
+        kv_quant.write(key_cache, attn_metadata.slot_mapping, key[:n], self.k_scale)
+        kv_quant.write(value_cache, attn_metadata.slot_mapping, value[:n], self.v_scale)
         gqa = self.num_heads != self.num_kv_heads
 
         if attn_metadata.decode_token_idx is not None:
             rows = attn_metadata.decode_token_idx
             q = query[rows].unsqueeze(2)  # [B, H, 1, D]
-            k = key_cache[attn_metadata.decode_slots].transpose(1, 2).to(query.dtype)
-            v = value_cache[attn_metadata.decode_slots].transpose(1, 2).to(query.dtype)
+            slots = attn_metadata.decode_slots
+            k = kv_quant.read(key_cache[slots], self.k_scale, query.dtype).transpose(1, 2)
+            v = kv_quant.read(value_cache[slots], self.v_scale, query.dtype).transpose(1, 2)
             k_pos = torch.arange(k.shape[2], device=query.device)
             mask = causal_mask(attn_metadata.decode_pos, k_pos, self.sliding_window)
             out = F.scaled_dot_product_attention(
@@ -137,8 +141,8 @@ class TorchRefImpl(AttentionImpl):
 
         for chunk in attn_metadata.chunks:
             q = query[chunk.token_start : chunk.token_end].transpose(0, 1)  # [H, Q, D]
-            k = key_cache[chunk.slots].transpose(0, 1).to(query.dtype)  # [KVH, S, D]
-            v = value_cache[chunk.slots].transpose(0, 1).to(query.dtype)
+            k = kv_quant.read(key_cache[chunk.slots], self.k_scale, query.dtype).transpose(0, 1)
+            v = kv_quant.read(value_cache[chunk.slots], self.v_scale, query.dtype).transpose(0, 1)
             k_pos = torch.arange(k.shape[1], device=query.device)
             mask = causal_mask(chunk.q_pos, k_pos, self.sliding_window)
             out = F.scaled_dot_product_attention(
@@ -150,6 +154,7 @@ class TorchRefImpl(AttentionImpl):
 
 class TorchRefBackend(AttentionBackend):
     supports_sliding_window = True
+    supported_kv_cache_dtypes = tuple(KV_CACHE_DTYPES)
 
     @staticmethod
     def get_name() -> str:

@@ -39,6 +39,7 @@ class TritonMLAImpl(TorchMLAImpl):
 
 
 class TritonMLABackend(TorchMLABackend):
+    supported_kv_cache_dtypes = ("auto",)
     @staticmethod
     def get_name() -> str:
         return "triton_mla"

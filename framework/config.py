@@ -18,6 +18,7 @@ from tokenmill.engine_args import (
 )
 from tokenmill.interfaces.platform import Platform
 from tokenmill.logprobs import LOGPROBS_MODES
+from tokenmill.quant.kv_cache import KV_CACHE_DTYPES, kv_cache_torch_dtype
 from tokenmill.speculative_config import SpeculativeConfig
 
 DTYPES = {
@@ -35,8 +36,8 @@ class EngineConfig(EngineArgs):
     ``finalize()`` fills the derived fields (model path, HF config, platform, torch dtype,
     lengths).
 
-    Settings whose feature has not landed (quantization without a registered method, an FP8
-    KV cache, pipeline parallelism) raise ``ValueError`` rather than being ignored; so does
+    Settings whose feature has not landed (quantization without a registered method, pipeline
+    parallelism) raise ``ValueError`` rather than being ignored; so does
     ``gpu_memory_utilization`` (None: 0.9 on GPUs) on a CPU platform, and a tensor-parallel
     size that does not divide the model's attention heads.
     """
@@ -46,6 +47,7 @@ class EngineConfig(EngineArgs):
     hf_config: Any = field(init=False, default=None)
     platform_cls: type[Platform] = field(init=False, default=Platform)
     torch_dtype: torch.dtype = field(init=False, default=torch.float32)
+    kv_cache_torch_dtype: torch.dtype = field(init=False, default=torch.float32)
     speculative: SpeculativeConfig | None = field(init=False, default=None)
     draft_hf_config: Any = field(init=False, default=None)
     data_parallel_rank: int = field(init=False, default=0)
@@ -73,8 +75,10 @@ class EngineConfig(EngineArgs):
                 _positive_int(name, getattr(self, name))
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if self.kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3", "fp8_e5m2"):
-            raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
+            )
         if not 0 <= self.watermark < 1:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
@@ -88,6 +92,8 @@ class EngineConfig(EngineArgs):
             raise ValueError(
                 f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}"
             )
+        if self.calculate_kv_scales and self.kv_cache_dtype == "auto":
+            raise ValueError("calculate_kv_scales needs an FP8 KV cache (kv_cache_dtype='fp8')")
         if self.speculative_config is not None:
             self.speculative = SpeculativeConfig.from_dict(self.speculative_config)
         if self.distributed_executor_backend not in (None, *get_args(DistributedExecutorBackend)):
@@ -112,7 +118,6 @@ class EngineConfig(EngineArgs):
     def _refuse_missing_features(self) -> None:
         defaults = {f.name: f.default for f in fields(self)}
         for feature, name, wanted in (
-            ("an FP8 KV cache", "kv_cache_dtype", self.kv_cache_dtype != "auto"),
             ("pipeline parallelism", "pipeline_parallel_size", self.pipeline_parallel_size > 1),
         ):
             if wanted:
@@ -130,6 +135,7 @@ class EngineConfig(EngineArgs):
         self.hf_config = load_hf_config(self.model_path)
         self.platform_cls = select_platform(self.platform)
         self.torch_dtype = self._resolve_dtype()
+        self.kv_cache_torch_dtype = kv_cache_torch_dtype(self.kv_cache_dtype, self.torch_dtype)
         self._check_quantization()
         self._check_tensor_parallel()
         if self.speculative is not None:

@@ -77,7 +77,15 @@ class EngineArgs:
         None, "quantization method (see `tokenmill plugins`); None: the checkpoint's, if any (gguf for a GGUF file)"
     )
     kv_cache_dtype: str = _arg(
-        "auto", "KV-cache dtype: auto (the model's); fp8 is not implemented yet"
+        "auto",
+        "KV-cache dtype: auto (the model's), fp8 or fp8_e4m3 (float8 e4m3), fp8_e5m2: one byte "
+        "per value, scaled per layer",
+    )
+    calculate_kv_scales: bool = _arg(
+        False,
+        "with an FP8 KV cache, set each layer's k_scale / v_scale from the first step's keys and "
+        "values (their largest magnitude over 200 and over 100, as vLLM) instead of the "
+        "checkpoint's or 1.0",
     )
     speculative_config: dict[str, Any] | None = _arg(
         None,

@@ -18,9 +18,17 @@ from typing import Any
 
 @dataclass
 class ForwardContext:
-    """``attn_metadata`` is the backend's metadata for this step (None in a dummy run)."""
+    """``attn_metadata`` is this step's attention metadata: one object every layer reads, or,
+    from the model runner, a dict from layer name to the metadata of that layer's backend
+    (layers of different backends get different objects). None in a dummy run."""
 
     attn_metadata: Any
+
+    def layer_metadata(self, layer_name: str) -> Any:
+        """The metadata of attention layer ``layer_name``."""
+        if isinstance(self.attn_metadata, dict):
+            return self.attn_metadata[layer_name]
+        return self.attn_metadata
 
 
 _forward_context: ContextVar[ForwardContext | None] = ContextVar(

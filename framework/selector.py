@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+from collections import Counter
+
+import torch
+
 from tokenmill import envs, plugins
 from tokenmill.interfaces.attention import AttentionBackend, AttentionConfig
 from tokenmill.interfaces.platform import Platform
@@ -73,6 +78,67 @@ def choose_attention_backend(
         f"no attention backend of platform {platform.name!r} can serve {config}: "
         + (" | ".join(report) or "the platform lists no candidates")
     )
+
+
+class AttentionSelector:
+    """Chooses each attention layer's backend while a model is built (vLLM's per-layer
+    ``get_attn_backend``): :func:`choose_attention_backend` for the layer's own needs (head
+    size, MLA or not, sliding window) and the engine's (dtype, KV-cache dtype, block size,
+    device), so a model may mix layer kinds (MLA layers get MLA backends, the others MHA
+    backends). Layers with equal needs share one choice; each choice keeps its reason, and a
+    layer nothing can serve is an error naming it, with every candidate's reasons."""
+
+    def __init__(
+        self,
+        platform: type[Platform],
+        dtype: torch.dtype,
+        kv_cache_dtype: str,
+        block_size: int,
+        name: str | None = None,
+    ) -> None:
+        self.platform = platform
+        self.name = name
+        self.template = AttentionConfig(
+            head_size=0,
+            dtype=dtype,
+            kv_cache_dtype=kv_cache_dtype,
+            block_size=block_size,
+            device_type=platform.device_type,
+        )
+        self.choices: dict[AttentionConfig, tuple[type[AttentionBackend], str]] = {}
+        self.num_layers: Counter[AttentionConfig] = Counter()
+
+    def __call__(
+        self,
+        layer_name: str,
+        head_size: int,
+        *,
+        use_mla: bool = False,
+        sliding_window: int | None = None,
+    ) -> type[AttentionBackend]:
+        config = dataclasses.replace(
+            self.template, head_size=head_size, use_mla=use_mla, sliding_window=sliding_window
+        )
+        if config not in self.choices:
+            try:
+                self.choices[config] = choose_attention_backend(self.platform, config, self.name)
+            except ValueError as e:
+                raise ValueError(f"{layer_name}: {e}") from None
+        self.num_layers[config] += 1
+        return self.choices[config][0]
+
+    def describe(self) -> str:
+        """The choices made, for the start-up log: ``attention backend NAME (reason)``, or with
+        several, each with its number of layers."""
+        layers: Counter[tuple[str, str]] = Counter()
+        for config, (backend, why) in self.choices.items():
+            layers[backend.get_name(), why] += self.num_layers[config]
+        if len(layers) == 1:
+            (name, why), = layers
+            return f"attention backend {name} ({why})"
+        return "attention backends " + ", ".join(
+            f"{name} for {n} layers ({why})" for (name, why), n in layers.items()
+        )
 
 
 def backend_reasons(name: str, config: AttentionConfig) -> list[str]:

@@ -26,6 +26,7 @@ from tokenmill.layers.mla_attention import MLAAttention
 from tokenmill.layers.rotary_embedding import get_rope, rope_config, yarn_get_mscale
 from tokenmill.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from tokenmill.model_loader.weights import default_weight_loader
+from tokenmill.quant.kv_cache import load_kv_scale
 from tokenmill.models.llama import LlamaMLP, maybe_prefix
 
 
@@ -269,6 +270,8 @@ def load_deepseek_weights(
 
     for name, tensor in weights:
         if "rotary_emb.inv_freq" in name or (skip is not None and skip(name)):
+            continue
+        if load_kv_scale(model, name, tensor):
             continue
         if name.endswith("mlp.gate.e_score_correction_bias"):
             name = name.replace("mlp.gate.", "mlp.experts.")

@@ -25,6 +25,7 @@ from tokenmill.layers.linear import (
 from tokenmill.layers.rotary_embedding import get_rope, rope_config
 from tokenmill.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from tokenmill.model_loader.weights import default_weight_loader
+from tokenmill.quant.kv_cache import load_kv_scale
 
 
 def maybe_prefix(prefix: str, name: str) -> str:
@@ -255,6 +256,8 @@ class LlamaForCausalLM(nn.Module):
             if "rotary_emb.inv_freq" in name:
                 continue
             if self.tie_word_embeddings and name.startswith("lm_head.") and name not in params:
+                continue
+            if load_kv_scale(self, name, tensor):
                 continue
             for fused, original, shard_id in self.stacked_params_mapping:
                 if original in name:

@@ -83,9 +83,9 @@ class CpuPlatform(Platform):
 
     @classmethod
     def get_attn_backend_candidates(cls, config: AttentionConfig) -> list[str]:
-        """MLA models add the MLA backends; the selector reports why the others cannot serve."""
+        """MLA layers add the MLA backends; the selector reports why the others cannot serve."""
         candidates = ["cpu_sdpa", "torch"]
-        return candidates + ["torch_mla"] if config.use_mla else candidates
+        return candidates + ["cpu_mla", "torch_mla"] if config.use_mla else candidates
 
     @classmethod
     def default_dtype(cls, model_dtype: torch.dtype) -> torch.dtype:

@@ -22,6 +22,7 @@ from tokenmill.layers.attention import Attention
 from tokenmill.layers.build_context import BuildContext
 from tokenmill.model_loader.loader import load_model
 from tokenmill.speculative_config import SpeculativeConfig
+from tokenmill.worker.attention_groups import make_metadata_builder, model_attention_layers
 
 if TYPE_CHECKING:
     from tokenmill.config import EngineConfig
@@ -41,9 +42,12 @@ class DraftModelProposer(Proposer):
     def load_model(self, target: nn.Module, build_ctx: BuildContext) -> None:
         assert self.spec.model is not None
         self.model = load_model(self.spec.model, self.config.draft_hf_config, build_ctx, self.device)
-        layer = next(iter(self.attention_layers().values()))
-        spec = layer.get_kv_cache_spec(self.config.block_size, self.config.torch_dtype)
-        self.builder = build_ctx.attn_backend.get_metadata_builder_cls()(spec, self.device)
+        self.builder = make_metadata_builder(
+            model_attention_layers(self.model),
+            self.config.block_size,
+            self.config.kv_cache_torch_dtype,
+            self.device,
+        )
 
     def attention_layers(self) -> dict[str, Attention]:
         assert self.model is not None

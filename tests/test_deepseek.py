@@ -12,6 +12,7 @@ import torch
 from conftest import assert_greedy_close, hf_greedy
 from deepseek_checkpoints import COMMON, save_deepseek
 from tokenmill import LLM, SamplingParams
+from tokenmill.attention_backends.cpu_mla import CpuMLABackend
 from tokenmill.attention_backends.torch_mla import TorchMLABackend, TorchMLAImpl
 from tokenmill.forward_context import set_forward_context
 from tokenmill.interfaces.attention import AttentionConfig, CommonAttentionMetadata
@@ -45,11 +46,12 @@ def _generate_and_check(llm: LLM, prompts, refs) -> None:
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
 
 
-def test_greedy_matches_hf_chunked_prefill_and_prefix_cache_rerun(checkpoint):
+@pytest.mark.parametrize("backend", ["cpu_mla", "torch_mla"])
+def test_greedy_matches_hf_chunked_prefill_and_prefix_cache_rerun(checkpoint, backend):
     _, path, _, prompts, refs = checkpoint
     llm = LLM(
         model=path, num_kv_blocks=128, block_size=BLOCK_SIZE, max_model_len=256,
-        max_num_batched_tokens=16,
+        max_num_batched_tokens=16, attention_backend=backend,
     )
     _generate_and_check(llm, prompts, refs)
     assert llm.get_stats()["prefix_cache_hit_tokens"] == 0
@@ -170,7 +172,7 @@ def test_absorbed_decode_equals_decompressed():
 def test_selector_picks_mla_backend_and_keeps_reasons():
     config = AttentionConfig(head_size=24, dtype=torch.float32, use_mla=True)
     backend, why = choose_attention_backend(CpuPlatform, config)
-    assert backend is TorchMLABackend
+    assert backend is CpuMLABackend
     assert "cpu_sdpa: MLA models need an MLA backend" in why
     assert "torch: MLA models need an MLA backend" in why
     with pytest.raises(ValueError, match="serves MLA models only"):

@@ -80,7 +80,7 @@ def test_each_attention_layer_holds_its_kv_cache(tmp_path):
     layers = list(runner.attention_layers().values())
     assert len(layers) == 2 and all(layer.kv_cache is None for layer in layers)
     runner.initialize_kv_cache(10)
-    shape = runner.attn_backend.get_kv_cache_shape(10, 8, layers[0].num_kv_heads, layers[0].head_size)
+    shape = layers[0].backend.get_kv_cache_shape(10, 8, layers[0].num_kv_heads, layers[0].head_size)
     assert all(isinstance(layer, Attention) for layer in layers)
     assert [tuple(layer.kv_cache.shape) for layer in layers] == [tuple(shape)] * 2
     assert layers[0].kv_cache.data_ptr() != layers[1].kv_cache.data_ptr()

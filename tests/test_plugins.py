@@ -565,10 +565,11 @@ def test_engine_logs_where_its_parts_come_from(site, tiny_llama, tokenmill_log):
     source = "from plugin '{}' (distribution 'tokenmill')"
     expected = [
         "using platform 'cpu': tokenmill.platforms.cpu:CpuPlatform " + source.format("platforms"),
-        "using attention backend 'cpu_sdpa': tokenmill.attention_backends.cpu_sdpa:CpuSdpaBackend "
-        + source.format("attention_backends"),
         "using model 'LlamaForCausalLM': tokenmill.models.llama:LlamaForCausalLM "
         + source.format("models"),
+        # chosen per attention layer while the model is built
+        "using attention backend 'cpu_sdpa': tokenmill.attention_backends.cpu_sdpa:CpuSdpaBackend "
+        + source.format("attention_backends"),
     ]
     logged = [(level, msg) for name, level, msg in tokenmill_log if name == "tokenmill.plugins"]
     assert logged == [(logging.DEBUG, message) for message in expected]

@@ -38,9 +38,6 @@ class FakeQuant:
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"kv_cache_dtype": "fp8"}, r"an FP8 KV cache is not implemented yet \(kv_cache_dtype='fp8'\)"),
-        ({"kv_cache_dtype": "fp8_e4m3"}, r"an FP8 KV cache is not implemented yet \(kv_cache_dtype='fp8_e4m3'\)"),
-        ({"kv_cache_dtype": "fp8_e5m2"}, r"an FP8 KV cache is not implemented yet \(kv_cache_dtype='fp8_e5m2'\)"),
         ({"pipeline_parallel_size": 2}, r"pipeline parallelism is not implemented yet \(pipeline_parallel_size=2\)"),
     ],
 )

@@ -101,15 +101,14 @@ class EngineCore:
         kv_bytes = num_blocks * sum(spec.page_size_bytes for spec in specs.values())
         info = self.executor.worker_info
         logger.info(
-            "model %s from %s, dtype %s, max_model_len %d; platform %s; attention backend %s "
-            "(%s); %s executor, %d rank(s); KV cache %d blocks of %d tokens (%s per rank)",
+            "model %s from %s, dtype %s, max_model_len %d; platform %s; %s; %s executor, "
+            "%d rank(s); KV cache %d blocks of %d tokens (%s per rank)",
             info.model_cls,
             config.model_path,
             str(config.torch_dtype).removeprefix("torch."),
             config.max_model_len,
             config.platform_cls.name,
-            info.attention_backend,
-            info.attention_backend_reason,
+            info.attention,
             config.executor_backend,
             config.tensor_parallel_size,
             num_blocks,

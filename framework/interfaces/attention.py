@@ -54,6 +54,11 @@ class AttentionImpl(ABC):
     With a ``sliding_window``, the query at position ``i`` attends to the keys at positions
     ``j`` with ``i - sliding_window < j <= i``; without one, to all ``j <= i``. Only backends
     whose ``supports_sliding_window`` is set are given one.
+
+    ``k_scale`` and ``v_scale`` are the layer's FP8 KV-cache scales (``tokenmill.quant.kv_cache``):
+    a float8 cache stores ``key / k_scale`` and ``value / v_scale``. They are 1.0 unless the
+    checkpoint sets them; only backends that list the float8 dtypes in
+    ``supported_kv_cache_dtypes`` are given a float8 cache.
     """
 
     def __init__(
@@ -70,6 +75,8 @@ class AttentionImpl(ABC):
         self.scale = scale
         self.num_kv_heads = num_kv_heads
         self.sliding_window = sliding_window
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
     @abstractmethod
     def forward(
@@ -97,7 +104,8 @@ class AttentionMetadataBuilder(ABC):
 
 
 class AttentionBackend(ABC):
-    """A registered attention backend. All methods are static/class methods."""
+    """A registered attention backend. All methods are static/class methods.
+    ``supported_kv_cache_dtypes`` lists the ``kv_cache_dtype`` values it serves."""
 
     supported_kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("auto",)
     supports_sliding_window: ClassVar[bool] = False

@@ -8,6 +8,7 @@ from torch import nn
 from tokenmill.forward_context import get_forward_context
 from tokenmill.interfaces.kv_cache_spec import FullAttentionSpec, KVCacheSpec
 from tokenmill.layers.build_context import current_build_context
+from tokenmill.quant import kv_cache as kv_quant
 
 
 class Attention(nn.Module):
@@ -16,11 +17,11 @@ class Attention(nn.Module):
     ``forward`` takes flat projections ``q`` [T, num_heads*head_size] and ``k``/``v``
     [T, num_kv_heads*head_size] for all scheduled tokens of all requests, writes K/V into this
     layer's cache and returns [T, num_heads*head_size]. ``prefix`` must be the layer's unique
-    module path: it names the layer's KV cache. ``kv_cache`` is that cache, bound by the model
-    runner once when it allocates the caches (None before); the step's metadata comes from the
-    forward context. With ``sliding_window``, each query attends only to the last
-    ``sliding_window`` positions up to itself; a backend that cannot do that is an error here,
-    never full attention in its place.
+    module path: it names the layer's KV cache and its backend's choice. ``kv_cache`` is that
+    cache, bound by the model runner once when it allocates the caches (None before); the step's
+    metadata comes from the forward context. With ``sliding_window``, each query attends only to
+    the last ``sliding_window`` positions up to itself; a backend that cannot do that is an error
+    here, never full attention in its place.
     """
 
     def __init__(
@@ -42,7 +43,7 @@ class Attention(nn.Module):
                 f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
             )
         self.layer_name = prefix
-        self.backend = ctx.attn_backend
+        self.backend = ctx.attention_backend(prefix, head_size, sliding_window=sliding_window)
         self.sliding_window = sliding_window
         if sliding_window is not None and not self.backend.supports_sliding_window:
             raise ValueError(
@@ -53,14 +54,21 @@ class Attention(nn.Module):
             num_heads, head_size, scale, self.num_kv_heads, sliding_window=sliding_window
         )
         self.kv_cache: torch.Tensor | None = None
+        self.calculate_kv_scales = ctx.calculate_kv_scales
+        """Set the FP8 KV-cache scales from the first step's keys and values (then cleared)."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        metadata = get_forward_context().layer_metadata(self.layer_name)
+        if self.calculate_kv_scales and metadata is not None:
+            self.impl.k_scale = kv_quant.calculate_scale(k, kv_quant.K_SCALE_RANGE)
+            self.impl.v_scale = kv_quant.calculate_scale(v, kv_quant.V_SCALE_RANGE)
+            self.calculate_kv_scales = False
         out = self.impl.forward(
             q.view(-1, self.num_heads, self.head_size),
             k.view(-1, self.num_kv_heads, self.head_size),
             v.view(-1, self.num_kv_heads, self.head_size),
             self.kv_cache,
-            get_forward_context().attn_metadata,
+            metadata,
         )
         return out.reshape(-1, self.num_heads * self.head_size)
 

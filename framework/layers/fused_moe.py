@@ -84,7 +84,9 @@ def fused_experts_sorted(
     """SwiGLU experts over (token, expert) pairs sorted by expert: one gather, one GEMM pair
     per expert that has tokens, then the weighted rows scattered back to pair order and
     summed over each token's ``top_k`` (several times faster on the CPU than ``index_add_``).
-    [T, H] in, [T, H] out."""
+    Each GEMM is computed as ``W·xᵀ`` (the weight on the left): for the few rows a decode step
+    gives an expert, MKL ran that 2-4x faster than ``x·Wᵀ`` on 2 cores (4 to 64 rows), and
+    no slower for prefill-sized groups. [T, H] in, [T, H] out."""
     num_tokens, top_k = topk_ids.shape
     flat_ids = topk_ids.flatten()
     order = flat_ids.argsort(stable=True)
@@ -98,9 +100,9 @@ def fused_experts_sorted(
         if count == 0:
             continue
         end = start + count
-        gate_up = torch.mm(x[start:end], w13[expert].t())
+        gate_up = torch.mm(w13[expert], x[start:end].t()).t()
         act = F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])
-        torch.mm(act, w2[expert].t(), out=out[start:end])
+        out[start:end] = torch.mm(w2[expert], act.t()).t()
         start = end
     out.mul_(topk_weights.flatten()[order].to(out.dtype).unsqueeze(1))
     unsorted = torch.empty_like(out)

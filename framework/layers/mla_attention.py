@@ -8,6 +8,7 @@ from torch import nn
 from tokenmill.forward_context import get_forward_context
 from tokenmill.interfaces.kv_cache_spec import KVCacheSpec, MLAAttentionSpec
 from tokenmill.layers.build_context import current_build_context
+from tokenmill.quant import kv_cache as kv_quant
 from tokenmill.layers.linear import LinearBase, UnquantizedLinearMethod
 
 
@@ -37,7 +38,9 @@ class MLAAttention(nn.Module):
     ) -> None:
         super().__init__()
         ctx = current_build_context()
-        self.backend = ctx.attn_backend
+        self.backend = ctx.attention_backend(
+            prefix, kv_lora_rank + qk_rope_head_dim, use_mla=True
+        )
         if not self.backend.is_mla():
             raise ValueError(
                 f"{prefix}: attention backend {self.backend.get_name()!r} is not an MLA backend"
@@ -63,29 +66,27 @@ class MLAAttention(nn.Module):
             kv_b_proj=kv_b_proj,
         )
         self.kv_cache: torch.Tensor | None = None
+        self.calculate_kv_scales = ctx.calculate_kv_scales
+        """Set the FP8 latent scale from the first step's latents (then cleared)."""
 
     def forward(
         self, q: torch.Tensor, kv_c_normed: torch.Tensor, k_pe: torch.Tensor
     ) -> torch.Tensor:
+        metadata = get_forward_context().layer_metadata(self.layer_name)
+        k_pe = k_pe.reshape(kv_c_normed.shape[0], -1)
+        if self.calculate_kv_scales and metadata is not None:
+            latents = torch.cat((kv_c_normed, k_pe), dim=-1)
+            self.impl.k_scale = kv_quant.calculate_scale(latents, kv_quant.K_SCALE_RANGE)
+            self.calculate_kv_scales = False
         out = self.impl.forward(
             q.view(-1, self.num_heads, self.qk_head_dim),
             kv_c_normed,
-            k_pe.reshape(kv_c_normed.shape[0], -1),
+            k_pe,
             self.kv_cache,
-            get_forward_context().attn_metadata,
+            metadata,
         )
         return out.reshape(-1, self.num_heads * self.v_head_dim)
 
     def get_kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
         return MLAAttentionSpec(block_size, dtype, self.head_size)
 
-
-def is_mla_config(hf_config: object) -> bool:
-    """Whether a HF config describes an MLA model (it has a ``kv_lora_rank``, as DeepSeek-V2/V3
-    and their derivatives do)."""
-    return getattr(hf_config, "kv_lora_rank", None) is not None
-
-
-def mla_head_size(hf_config: object) -> int:
-    """Values per cached latent: ``kv_lora_rank + qk_rope_head_dim``."""
-    return hf_config.kv_lora_rank + hf_config.qk_rope_head_dim

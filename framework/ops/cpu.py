@@ -4,8 +4,9 @@
 by a hash of the sources, flags, compiler and CPU, and loaded with ctypes. On x86-64 the kernels
 need AVX2 and FMA (``csrc/vec.h``); where the build fails they are off.
 
-They run on contiguous float32 CPU tensors (and the quantized weights of ``cpu_quant``, which
-wraps ``quant_int.c`` and ``quant_fp8.c``); callers (the CPU platform's op table, the
+They run on contiguous float32 CPU tensors (the decode attention also on float8 KV caches, and
+the quantized weights of ``cpu_quant``, which wraps ``quant_int.c`` and ``quant_fp8.c``); callers
+(the CPU platform's op table, the
 ``cpu_sdpa`` backend) check :func:`supports` and otherwise use their torch path. The OpenMP
 runtime they link is the one torch already loaded, so they share its threads.
 ``TOKENMILL_DISABLE_CPU_KERNELS=1`` turns them all off.
@@ -44,7 +45,7 @@ ISA_FLAGS: dict[str, tuple[list[str], tuple[str, ...]]] = {
 }
 _I64, _F32, _PTR, _INT = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int
 SIGNATURES = {
-    "paged_decode_attention": [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _F32, _I64, _I64, _INT],
+    "paged_decode_attention": [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _F32, _F32, _INT, _I64, _I64, _INT],
     "rms_norm": [_PTR, _PTR, _PTR, _I64, _I64, _F32, _INT],
     "fused_add_rms_norm": [_PTR, _PTR, _PTR, _I64, _I64, _F32, _INT],
     "silu_and_mul": [_PTR, _PTR, _I64, _I64, _INT],
@@ -60,6 +61,10 @@ SIGNATURES = {
     "fp8_linear": [_PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _INT],
     "fp8_dequantize": [_PTR, _PTR, _PTR, _I64, _I64, _INT],
 }
+
+
+KV_FORMATS = {torch.float32: 0, torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
+"""KV-cache dtypes the decode attention reads, and their codes in ``csrc/fp8.h``."""
 
 
 def _cpu_signature() -> str:
@@ -160,6 +165,12 @@ def supports(*tensors: torch.Tensor | None) -> bool:
     return load() is not None
 
 
+def supports_kv_cache(kv_cache: torch.Tensor) -> bool:
+    """Whether :func:`paged_decode_attention` reads this cache: float32 or float8, on the CPU,
+    contiguous."""
+    return kv_cache.dtype in KV_FORMATS and kv_cache.device.type == "cpu" and kv_cache.is_contiguous()
+
+
 def paged_decode_attention(
     query: torch.Tensor,
     output: torch.Tensor,
@@ -171,14 +182,18 @@ def paged_decode_attention(
     max_len: int,
     scale: float,
     sliding_window: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Attention of one query token per request over its paged context (with a sliding window,
     its last ``sliding_window`` positions), written into ``output[rows]``.
 
     ``query`` [T, H, D] (rows may be strided, D a multiple of 8) and ``output`` [T, H, D]
     contiguous; ``rows`` [B], the token row of each request; caches
-    [num_blocks, block_size, kv_heads, D] (each a contiguous view); ``block_table`` [B, n] and
-    ``seq_lens`` [B] (integer tensors; int64 contiguous ones are used as they are)."""
+    [num_blocks, block_size, kv_heads, D] (each a contiguous view) of a dtype in
+    ``KV_FORMATS``, a float8 cache holding ``key / k_scale`` and ``value / v_scale``;
+    ``block_table`` [B, n] and ``seq_lens`` [B] (integer tensors; int64 contiguous ones are used
+    as they are)."""
     _, h, d = query.shape
     if query.stride(1) != d or query.stride(2) != 1:
         query = query.contiguous()
@@ -187,8 +202,8 @@ def paged_decode_attention(
     load().paged_decode_attention(
         query.data_ptr(), query.stride(0), rows.data_ptr(), key_cache.data_ptr(),
         value_cache.data_ptr(), block_table.data_ptr(), block_table.stride(0),
-        seq_lens.data_ptr(), output.data_ptr(), rows.shape[0], h, kvh, d, bs, scale, max_len,
-        sliding_window or 0, torch.get_num_threads(),
+        seq_lens.data_ptr(), output.data_ptr(), rows.shape[0], h, kvh, d, bs, scale * k_scale,
+        v_scale, KV_FORMATS[key_cache.dtype], max_len, sliding_window or 0, torch.get_num_threads(),
     )
 
 

@@ -21,24 +21,25 @@ from torch import nn
 from tokenmill.config import EngineConfig
 from tokenmill.core.scheduler_output import SchedulerOutput
 from tokenmill.forward_context import set_forward_context
-from tokenmill.interfaces.attention import (
-    AttentionBackend,
-    AttentionConfig,
-    CommonAttentionMetadata,
-)
+from tokenmill.interfaces.attention import CommonAttentionMetadata
 from tokenmill.interfaces.kv_cache_spec import KVCacheSpec
 from tokenmill.interfaces.proposer import FlatInputs, Proposer, TargetStep
 from tokenmill.layers.attention import Attention
 from tokenmill.layers.build_context import BuildContext
-from tokenmill.layers.mla_attention import MLAAttention, is_mla_config, mla_head_size
+from tokenmill.layers.mla_attention import MLAAttention
 from tokenmill.logprobs import LogprobsLists
 from tokenmill.model_loader.loader import load_model
 from tokenmill.sample.sampler import Penalties, Sampler, SamplerOutput, SamplingMetadata
 from tokenmill.sampling_params import GREEDY_TEMPERATURE_EPS, SamplingParams
-from tokenmill.selector import choose_attention_backend
+from tokenmill.selector import AttentionSelector
 from tokenmill.structured_output.bitmask import apply_grammar_bitmask
 from tokenmill.worker.cuda_graph import CudaGraphRunner
 from tokenmill.worker import spec_decode
+from tokenmill.worker.attention_groups import (
+    LayerMetadataBuilder,
+    make_metadata_builder,
+    model_attention_layers,
+)
 from tokenmill.worker.input_batch import CachedRequestState, InputBatch
 from tokenmill.worker.prompt_logprobs import PromptChunk, PromptLogprobs
 
@@ -69,26 +70,19 @@ class ModelRunner:
         self.config = config
         self.device = device
         self.block_size = config.block_size
-        use_mla = is_mla_config(config.hf_config)
-        attn_config = AttentionConfig(
-            head_size=mla_head_size(config.hf_config) if use_mla else _head_size(config.hf_config),
-            dtype=config.torch_dtype,
-            kv_cache_dtype=config.kv_cache_dtype,
-            block_size=config.block_size,
-            device_type=config.platform_cls.device_type,
-            sliding_window=_sliding_window(config.hf_config),
-            use_mla=use_mla,
-        )
-        self.attn_backend: type[AttentionBackend]
-        self.attn_backend, self.attn_backend_reason = choose_attention_backend(
-            config.platform_cls, attn_config, config.attention_backend
+        self.attn_selector = AttentionSelector(
+            config.platform_cls,
+            config.torch_dtype,
+            config.kv_cache_dtype,
+            config.block_size,
+            config.attention_backend,
         )
         self.sampler = Sampler(config.logprobs_mode)
         self.model: nn.Module | None = None
         self.prompt_logprobs: PromptLogprobs | None = None
         self.preempted: dict[str, _PreemptedState] = {}
         self.batch: InputBatch | None = None
-        self.metadata_builder = None
+        self.metadata_builder: LayerMetadataBuilder | None = None
         self.cuda_graphs: CudaGraphRunner | None = None
         self.proposer: Proposer | None = None
         if config.speculative is not None:
@@ -107,11 +101,12 @@ class ModelRunner:
                 getattr(self.config.hf_config, "quantization_config", None) or {}
             )
         ctx = BuildContext(
-            self.attn_backend,
+            self.attn_selector,
             self.config.torch_dtype,
             quant,
             self.config.kv_cache_dtype,
             self.config.platform_cls.get_ops(),
+            self.config.calculate_kv_scales,
         )
         self.model = load_model(self.config.weights_path, self.config.hf_config, ctx, self.device)
         self.prompt_logprobs = PromptLogprobs(self.model.compute_logits)
@@ -121,32 +116,33 @@ class ModelRunner:
     def attention_layers(self) -> dict[str, Attention | MLAAttention]:
         """The target's attention layers, then the proposer's (each owns a KV cache)."""
         assert self.model is not None
-        layers = {
-            m.layer_name: m
-            for m in self.model.modules()
-            if isinstance(m, (Attention, MLAAttention))
-        }
+        layers = {m.layer_name: m for m in model_attention_layers(self.model)}
         if self.proposer is not None:
             layers.update(self.proposer.attention_layers())
         return layers
 
     def get_kv_cache_specs(self) -> dict[str, KVCacheSpec]:
         return {
-            name: layer.get_kv_cache_spec(self.block_size, self.config.torch_dtype)
+            name: layer.get_kv_cache_spec(self.block_size, self.config.kv_cache_torch_dtype)
             for name, layer in self.attention_layers().items()
         }
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        """Allocate every layer's cache in its backend's layout, bind it to the layer, and
-        allocate the per-request buffers."""
+        """Allocate every layer's cache in its backend's layout, bind it to the layer, group the
+        target's layers by backend and spec for the metadata, and allocate the per-request
+        buffers."""
         specs = self.get_kv_cache_specs()
         for name, layer in self.attention_layers().items():
             shape = layer.backend.get_kv_cache_shape(
                 num_blocks, self.block_size, layer.num_kv_heads, layer.head_size
             )
             layer.kv_cache = torch.zeros(shape, dtype=specs[name].dtype, device=self.device)
-        first_spec = next(iter(specs.values()))
-        self.metadata_builder = self.attn_backend.get_metadata_builder_cls()(first_spec, self.device)
+        self.metadata_builder = make_metadata_builder(
+            model_attention_layers(self.model),
+            self.block_size,
+            self.config.kv_cache_torch_dtype,
+            self.device,
+        )
         max_blocks = -(-self.config.max_model_len // self.block_size)
         self.batch = InputBatch(
             self.config.max_num_seqs,
@@ -448,23 +444,6 @@ class ModelRunner:
             n = 1 + params.logprobs
             result[req_ids[idx]] = LogprobsLists([ids[i][:n]], [values[i][:n]], [ranks[i]])
         return result
-
-
-def _head_size(hf_config) -> int:
-    head_dim = getattr(hf_config, "head_dim", None)
-    return head_dim or hf_config.hidden_size // hf_config.num_attention_heads
-
-
-def _sliding_window(hf_config) -> int | None:
-    """The window of the model's sliding-window layers, if it has any, as transformers' Mistral
-    and Qwen2 configs declare them (``use_sliding_window`` and ``layer_types`` can turn
-    ``sliding_window`` off)."""
-    if not getattr(hf_config, "use_sliding_window", True):
-        return None
-    layer_types = getattr(hf_config, "layer_types", None)
-    if layer_types is not None and "sliding_attention" not in layer_types:
-        return None
-    return getattr(hf_config, "sliding_window", None)
 
 
 def _bad_word_ends(bad_words: list[list[int]], output: np.ndarray) -> list[int]:

@@ -25,8 +25,8 @@ class WorkerInfo:
     log line) and how many lookahead slots the proposer needs."""
 
     model_cls: str
-    attention_backend: str
-    attention_backend_reason: str
+    attention: str
+    """Which attention backend each kind of layer got, and why."""
     num_lookahead_tokens: int
 
 
@@ -81,8 +81,7 @@ class Worker:
         model_cls = type(runner.model)
         return WorkerInfo(
             f"{model_cls.__module__}.{model_cls.__qualname__}",
-            runner.attn_backend.get_name(),
-            runner.attn_backend_reason,
+            runner.attn_selector.describe(),
             runner.proposer.num_lookahead_tokens if runner.proposer else 0,
         )
 

@@ -1,10 +1,20 @@
 /* Paged decode attention: one query token per request over its cached context. */
 #include <math.h>
 #include <stdlib.h>
+#include "fp8.h"
 #include "vec.h"
 
-static inline void prefetch(const float *p, int64_t n) {
-    for (int64_t o = 0; o < n; o += 16) __builtin_prefetch(p + o);
+static inline void prefetch(const void *p, int64_t bytes) {
+    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch((const char *)p + o);
+}
+
+/* Block b of a cache whose blocks hold `block` values: a float32 cache's own memory, or the
+   block's first n values of a float8 cache converted into buf. */
+static inline const float *block_f32(const void *cache, int64_t b, int64_t block, int64_t n,
+                                     int kv_format, fp8_format f, float *buf) {
+    if (kv_format == KV_F32) return (const float *)cache + b * block;
+    fp8_to_f32(buf, (const uint8_t *)cache + b * block, n, f);
+    return buf;
 }
 
 /* Request b's query is row rows[b] of q (rows q_stride floats apart, heads D apart) and its
@@ -15,18 +25,24 @@ static inline void prefetch(const float *p, int64_t n) {
    request, in three passes: scores (four tokens at a time per head), softmax, then the weighted
    sum of values (32 output features at a time held in registers across a block's tokens).
    Scores are indexed from the first block read. The next block is prefetched while one is read:
-   blocks are scattered, so the hardware prefetcher cannot. */
+   blocks are scattered, so the hardware prefetcher cannot.
+   The caches hold float32 or, with kv_format KV_E4M3 / KV_E5M2, float8: each block read is
+   converted into a per-thread float32 buffer first. The float8 cache's key scale is part of
+   `scale`; its value scale `v_scale` multiplies the softmax weights. */
 void paged_decode_attention(
-    const float *q, int64_t q_stride, const int64_t *rows, const float *key_cache, const float *value_cache,
+    const float *q, int64_t q_stride, const int64_t *rows, const void *key_cache, const void *value_cache,
     const int64_t *block_table, int64_t table_stride, const int64_t *seq_lens,
     float *out, int64_t B, int64_t H, int64_t kvh, int64_t D, int64_t bs,
-    float scale, int64_t max_len, int64_t window, int nthreads)
+    float scale, float v_scale, int kv_format, int64_t max_len, int64_t window, int nthreads)
 {
     const int64_t G = H / kvh, row = kvh * D, block = bs * row;
     const int64_t stride = (max_len + 7) / 8 * 8;
+    const int64_t block_bytes = block * (kv_format == KV_F32 ? sizeof(float) : 1);
+    const fp8_format fmt = fp8_format_of(kv_format);
     #pragma omp parallel num_threads(nthreads)
     {
         float *scores = malloc(sizeof(float) * H * stride);
+        float *buf = kv_format == KV_F32 ? NULL : malloc(sizeof(float) * block);
         #pragma omp for schedule(dynamic, 1)
         for (int64_t b = 0; b < B; ++b) {
             const int64_t L = seq_lens[b], nblk = (L + bs - 1) / bs;
@@ -38,8 +54,8 @@ void paged_decode_attention(
 
             for (int64_t j = j0; j < nblk; ++j) {
                 const int64_t t0 = j * bs, n = L - t0 < bs ? L - t0 : bs;
-                const float *kb = key_cache + bt[j] * block;
-                if (j + 1 < nblk) prefetch(key_cache + bt[j + 1] * block, block);
+                const float *kb = block_f32(key_cache, bt[j], block, n * row, kv_format, fmt, buf);
+                if (j + 1 < nblk) prefetch((const char *)key_cache + bt[j + 1] * block_bytes, block_bytes);
                 for (int64_t h = 0; h < H; ++h) {
                     const float *qh = qb + h * D, *kh = kb + (h / G) * D;
                     float *sh = scores + h * stride + t0 - base;
@@ -64,7 +80,7 @@ void paged_decode_attention(
                 }
             }
 
-            prefetch(value_cache + bt[j0] * block, block);
+            prefetch((const char *)value_cache + bt[j0] * block_bytes, block_bytes);
             for (int64_t h = 0; h < H; ++h) {
                 float *sh = scores + h * stride;
                 for (int64_t t = 0; t < first - base; ++t) sh[t] = -INFINITY;
@@ -79,15 +95,15 @@ void paged_decode_attention(
                     storev(sh + t, e);
                     sum += e;
                 }
-                const v8 inv = splat(1.f / hsum(sum));
+                const v8 inv = splat(v_scale / hsum(sum));
                 for (int64_t t = 0; t < Lp; t += 8) storev(sh + t, loadv(sh + t) * inv);
             }
 
             memset(acc, 0, sizeof(float) * H * D);
             for (int64_t j = j0; j < nblk; ++j) {
                 const int64_t t0 = j * bs, n = L - t0 < bs ? L - t0 : bs;
-                const float *vb = value_cache + bt[j] * block;
-                if (j + 1 < nblk) prefetch(value_cache + bt[j + 1] * block, block);
+                const float *vb = block_f32(value_cache, bt[j], block, n * row, kv_format, fmt, buf);
+                if (j + 1 < nblk) prefetch((const char *)value_cache + bt[j + 1] * block_bytes, block_bytes);
                 for (int64_t h = 0; h < H; ++h) {
                     const float *vh = vb + (h / G) * D, *p = scores + h * stride + t0 - base;
                     float *a = acc + h * D;
@@ -113,5 +129,6 @@ void paged_decode_attention(
             }
         }
         free(scores);
+        free(buf);
     }
 }
