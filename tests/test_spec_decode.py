@@ -209,8 +209,8 @@ def test_bad_speculative_config_names_the_key(spec, message):
 
 
 def test_unregistered_method_and_foreign_vocabulary_are_refused(tiny, tmp_path):
-    with pytest.raises(ValueError, match=r"\['method'\] 'eagle' is not a registered proposer .*registered: draft_model, ngram"):
-        EngineConfig(model=tiny["target"], speculative_config={"method": "eagle", "num_speculative_tokens": 2}).finalize()
+    with pytest.raises(ValueError, match=r"\['method'\] 'medusa' is not a registered proposer; registered: draft_model, eagle, eagle3, mtp, ngram"):
+        EngineConfig(model=tiny["target"], speculative_config={"method": "medusa", "num_speculative_tokens": 2}).finalize()
     other = make_tiny_checkpoint(tmp_path / "other", vocab_size=300)
     with pytest.raises(ValueError, match=r"\['model'\] .* has a vocabulary of 300 tokens, the target 256"):
         EngineConfig(model=tiny["target"], speculative_config={"model": other, "num_speculative_tokens": 2}).finalize()
