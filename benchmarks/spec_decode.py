@@ -83,8 +83,8 @@ def _chat_prompts(llm: LLM, n: int, length: int = 256) -> list[dict]:
         words = text.split()
         while True:
             messages = [{"role": "user", "content": f"{question}\n\n{' '.join(words)}"}]
-            ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
-            ids = ids["input_ids"] if isinstance(ids, dict) else ids
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            ids = tokenizer.encode(text, add_special_tokens=False)
             if len(ids) <= length:
                 break
             words = words[: -max(1, (len(ids) - length) // 2)]

@@ -149,8 +149,7 @@ class EngineConfig(EngineArgs):
 
     def _check_speculative(self, spec: SpeculativeConfig) -> None:
         """The method must be a registered proposer; a draft model must share the target's
-        vocabulary; ``mtp`` runs the target checkpoint's own MTP layers; ``eagle``/``eagle3``
-        need their head's directory."""
+        vocabulary; ``mtp`` runs the target checkpoint's own MTP layers."""
         from tokenmill import plugins
         from tokenmill.model_loader.loader import load_hf_config
 
@@ -173,8 +172,6 @@ class EngineConfig(EngineArgs):
                 )
             self.draft_hf_config = self.hf_config
             return
-        if spec.method in ("eagle", "eagle3") and spec.model is None:
-            raise ValueError(f"speculative_config['model'] is required for method {spec.method!r}")
         if spec.model is not None:
             self.draft_hf_config = load_hf_config(spec.model)
             draft_vocab = self.draft_hf_config.vocab_size

@@ -302,14 +302,14 @@ def step_losses(model, ids, labels, aux, steps):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--prompts", type=int, default=448)
-    parser.add_argument("--gen-tokens", type=int, default=160)
+    parser.add_argument("--prompts", type=int, default=96)
+    parser.add_argument("--gen-tokens", type=int, default=128)
     parser.add_argument("--draft-vocab", type=int, default=4096)
     parser.add_argument("--intermediate-size", type=int, default=768)
     parser.add_argument("--ttt-steps", type=int, default=3)
-    parser.add_argument("--epochs", type=float, default=4)
+    parser.add_argument("--epochs", type=float, default=5)
     parser.add_argument("--batch-tokens", type=int, default=2048)
-    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--data", type=Path, help="cache of steps 1-3 (written if missing)")
     args = parser.parse_args()
@@ -367,7 +367,8 @@ def main() -> None:
         for group in batches(train, args.batch_tokens, rng):
             if done >= total:
                 break
-            lr = args.lr * min(1.0, (done + 1) / 50) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * done / total)))
+            warmup = max(1, min(50, total // 10))
+            lr = args.lr * min(1.0, (done + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * done / total)))
             for g in opt.param_groups:
                 g["lr"] = lr
             ids, labels, aux = collate(train, group)

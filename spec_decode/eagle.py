@@ -20,6 +20,7 @@ target's own DeepSeek MTP layers (``models/deepseek_mtp.py``), step ``i`` runnin
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -31,13 +32,17 @@ from tokenmill.interfaces.proposer import FlatInputs, Proposal, ProposalBatch, P
 from tokenmill.layers.attention import Attention
 from tokenmill.layers.build_context import BuildContext
 from tokenmill.layers.mla_attention import MLAAttention
-from tokenmill.model_loader.loader import load_model
+from tokenmill.model_loader.loader import load_hf_config, load_model
 from tokenmill.speculative_config import SpeculativeConfig
 
 if TYPE_CHECKING:
     from tokenmill.config import EngineConfig
 
 LAYER_PREFIX = "draft."
+
+DEFAULT_MODEL_HEAD = Path(__file__).resolve().parent / "heads" / "SmolLM2-135M-Instruct-eagle3"
+"""The EAGLE-3 head trained for the default model (``scripts/train_eagle3.py``): what
+``{"method": "eagle3"}`` runs on the default model when ``model`` is not given."""
 
 HEAD_ARCHITECTURES = {"eagle": "EagleLlamaForCausalLM", "eagle3": "Eagle3LlamaForCausalLM"}
 
@@ -49,8 +54,20 @@ class EagleProposer(Proposer):
         super().__init__(spec, config, device)
         self.method = spec.method
         self.num_lookahead_tokens = spec.num_speculative_tokens
+        self.head_dir = None if spec.method == "mtp" else self._head_dir()
         self.model: nn.Module | None = None
         self.builder = None
+
+    def _head_dir(self) -> str:
+        """``speculative_config["model"]``, else the shipped head for the default model."""
+        if self.spec.model is not None:
+            return self.spec.model
+        if self.method == "eagle3" and self.config.model is None:
+            return str(DEFAULT_MODEL_HEAD)
+        hint = ""
+        if self.config.model is None:
+            hint = " (the head shipped for the default model is an EAGLE-3 one: method 'eagle3')"
+        raise ValueError(f"speculative_config['model'] is required for method {self.method!r}{hint}")
 
     def load_model(self, target: nn.Module, build_ctx: BuildContext) -> None:
         if self.method == "mtp":
@@ -60,7 +77,7 @@ class EagleProposer(Proposer):
                 self.config.model_path, mtp_config(self.config.hf_config), build_ctx, self.device
             )
         else:
-            assert self.spec.model is not None
+            assert self.head_dir is not None
             if build_ctx.attn_backend.is_mla():
                 raise ValueError(
                     f"{self.method} heads use standard attention; the target's backend "
@@ -71,9 +88,9 @@ class EagleProposer(Proposer):
                     f"eagle3 needs a target that gives its intermediate hidden states "
                     f"(the Llama family); {type(target).__name__} does not"
                 )
-            hf_config = copy.deepcopy(self.config.draft_hf_config)
+            hf_config = copy.deepcopy(load_hf_config(self.head_dir))
             hf_config.architectures = [HEAD_ARCHITECTURES[self.method]]
-            self.model = load_model(self.spec.model, hf_config, build_ctx, self.device)
+            self.model = load_model(self.head_dir, hf_config, build_ctx, self.device)
             self.model.share_target(target)
         if self.method == "eagle3":
             target.set_aux_hidden_state_layers(target.get_eagle3_aux_hidden_state_layers())
