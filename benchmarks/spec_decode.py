@@ -3,13 +3,15 @@
 Workloads:
 - ``copy``: single stream; chat prompts asking to rewrite a given passage (the n-gram
   proposer's case), ``--output-len`` tokens each.
-- ``concurrent``: ``--concurrency`` requests at once of the same prompts.
+- ``chat``: single stream; 256-token chat prompts asking about passages (not a copy task; the
+  EAGLE head's case; the passages are not in its training data).
+- ``concurrent``: ``--concurrency`` requests at once of the copy prompts.
 
 Each configuration gets its own engine, a warm-up request, then the timed requests; engines
 alternate per repeat. Reports output tokens/s, the speed-up over no speculation and the
 acceptance rate (accepted / proposed drafts) with the mean tokens per verification step.
 
-    python benchmarks/spec_decode.py [--output-len 128 --repeats 2 --workload copy,concurrent]
+    python benchmarks/spec_decode.py [--output-len 128 --repeats 2 --workload copy,chat,concurrent]
 """
 
 from __future__ import annotations
@@ -45,7 +47,20 @@ CONFIGS = {
                   "prompt_lookup_max": 4, "disable_by_batch_size": 0},
     "ngram-k4-default-cutoff": {"method": "ngram", "num_speculative_tokens": 4,
                                    "prompt_lookup_min": 2, "prompt_lookup_max": 4},
+    **{
+        f"eagle3-k{k}": {"method": "eagle3", "num_speculative_tokens": k, "disable_by_batch_size": 0}
+        for k in (2, 3, 4)
+    },
+    "eagle3-k3-default-cutoff": {"method": "eagle3", "num_speculative_tokens": 3},
 }
+"""Configurations by name; ``eagle3`` ones use the head shipped for the default model."""
+
+QUESTIONS = [
+    "Explain what this passage says in your own words.",
+    "What are the main points of this passage? Answer in a short paragraph.",
+    "Write a few questions a student might ask about this passage, and answer them.",
+    "Why might this passage matter to someone today?",
+]
 
 
 def _prompts(llm: LLM, n: int) -> list[str]:
@@ -58,7 +73,26 @@ def _prompts(llm: LLM, n: int) -> list[str]:
     return out
 
 
-def _run(llm: LLM, prompts: list[str], params: SamplingParams) -> tuple[int, float]:
+def _chat_prompts(llm: LLM, n: int, length: int = 256) -> list[dict]:
+    """``n`` chat prompts of exactly ``length`` tokens: a question, then passages cut to fit."""
+    tokenizer = llm.get_tokenizer()
+    out = []
+    for i in range(n):
+        question = QUESTIONS[i % len(QUESTIONS)]
+        text = " ".join(PASSAGES[(i + j) % len(PASSAGES)] for j in range(len(PASSAGES)))
+        words = text.split()
+        while True:
+            messages = [{"role": "user", "content": f"{question}\n\n{' '.join(words)}"}]
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            if len(ids) <= length:
+                break
+            words = words[: -max(1, (len(ids) - length) // 2)]
+        out.append({"prompt_token_ids": list(ids)})
+    return out
+
+
+def _run(llm: LLM, prompts: list, params: SamplingParams) -> tuple[int, float]:
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     return sum(len(o.outputs[0].token_ids) for o in outs), time.perf_counter() - start
@@ -69,8 +103,8 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--workload", default="copy,concurrent")
-    parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--workload", default="copy,chat,concurrent")
+    parser.add_argument("--configs", default="none,ngram-k4,ngram-k4-default-cutoff,eagle3-k3,eagle3-k3-default-cutoff")
     args = parser.parse_args()
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     engines = {
@@ -78,15 +112,17 @@ def main() -> None:
         for name in args.configs.split(",")
     }
     for workload in args.workload.split(","):
-        n = 1 if workload == "copy" else args.concurrency
+        n = args.concurrency if workload == "concurrent" else 1
+        make_prompts = _chat_prompts if workload == "chat" else _prompts
         results: dict[str, list[float]] = {name: [] for name in engines}
         accept: dict[str, tuple[int, int, int]] = {}
+        positions: dict[str, list[int]] = {}
         for name, llm in engines.items():
             _run(llm, _prompts(llm, 1), SamplingParams(temperature=0, max_tokens=8))
         for _ in range(args.repeats):
             for name, llm in engines.items():
                 before = llm.get_stats()
-                prompts = _prompts(llm, n)
+                prompts = make_prompts(llm, n)
                 tokens, seconds = _run(llm, prompts, params)
                 results[name].append(tokens / seconds)
                 after = llm.get_stats()
@@ -94,6 +130,11 @@ def main() -> None:
                     after.get(k, 0) - before.get(k, 0)
                     for k in ("spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens")
                 )
+                positions[name] = [
+                    after.get(f"spec_num_accepted_tokens_pos_{i}", 0)
+                    - before.get(f"spec_num_accepted_tokens_pos_{i}", 0)
+                    for i in range(8)
+                ]
         base = max(results["none"]) if "none" in results else None
         for name, speeds in results.items():
             drafts, proposed, accepted = accept[name]
@@ -105,6 +146,9 @@ def main() -> None:
                 "speedup_best": round(max(speeds) / base, 2) if base else None,
                 "acceptance": round(accepted / proposed, 3) if proposed else None,
                 "tokens_per_verify_step": round(1 + accepted / drafts, 2) if drafts else None,
+                "acceptance_per_position": [round(a / drafts, 3) for a in positions[name] if a]
+                if drafts
+                else None,
             }
             print(json.dumps(row), flush=True)
 

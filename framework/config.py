@@ -235,17 +235,29 @@ class EngineConfig(EngineArgs):
 
     def _check_speculative(self, spec: SpeculativeConfig) -> None:
         """The method must be a registered proposer; a draft model must share the target's
-        vocabulary."""
+        vocabulary; ``mtp`` runs the target checkpoint's own MTP layers."""
         from tokenmill import plugins
         from tokenmill.model_loader.loader import load_hf_config
 
         registry = plugins.get_registry("proposers")
         if spec.method not in registry:
             raise ValueError(
-                f"speculative_config['method'] {spec.method!r} is not a registered proposer "
-                f"(eagle, eagle3 and mtp are not implemented yet); registered: "
-                f"{', '.join(registry.names()) or 'none'}{registry.filter_suffix()}"
+                f"speculative_config['method'] {spec.method!r} is not a registered proposer; "
+                f"registered: {', '.join(registry.names()) or 'none'}{registry.filter_suffix()}"
             )
+        if spec.method == "mtp":
+            if spec.model is not None and os.path.realpath(spec.model) != os.path.realpath(self.model_path):
+                raise ValueError(
+                    f"speculative_config['model'] {spec.model!r}: method 'mtp' runs the MTP "
+                    f"layers of the target checkpoint {self.model_path!r}; leave 'model' out"
+                )
+            if not getattr(self.hf_config, "num_nextn_predict_layers", 0):
+                raise ValueError(
+                    "speculative_config['method'] 'mtp' needs a target with MTP layers "
+                    "(num_nextn_predict_layers > 0 in its config.json)"
+                )
+            self.draft_hf_config = self.hf_config
+            return
         if spec.model is not None:
             self.draft_hf_config = load_hf_config(spec.model)
             draft_vocab = self.draft_hf_config.vocab_size

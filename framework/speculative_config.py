@@ -22,9 +22,11 @@ class SpeculativeConfig:
     """Speculative decoding settings.
 
     Attributes:
-        method: the registered proposer (``ngram``, ``draft_model``, or a plugin's).
+        method: the registered proposer (``ngram``, ``draft_model``, ``eagle``, ``eagle3``,
+            ``mtp``, or a plugin's).
         num_speculative_tokens: draft tokens proposed per request and step (k).
-        model: the draft model's HF directory (``draft_model``).
+        model: the draft model's or head's HF directory (``draft_model``, ``eagle``,
+            ``eagle3``; ``mtp`` uses the target's own checkpoint).
         prompt_lookup_min: shortest suffix the n-gram proposer matches.
         prompt_lookup_max: longest suffix the n-gram proposer matches.
         disable_by_batch_size: a step with at least this many running requests does not

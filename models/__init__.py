@@ -15,3 +15,6 @@ def register_models(register):
     register("DeepseekV2ForCausalLM", "tokenmill.models.deepseek_v2:DeepseekV2ForCausalLM")
     register("DeepseekV3ForCausalLM", "tokenmill.models.deepseek_v2:DeepseekV3ForCausalLM")
     register("DeepSeekMTPModel", "tokenmill.models.deepseek_mtp:DeepSeekMTP")
+    register("EagleLlamaForCausalLM", "tokenmill.models.llama_eagle:EagleLlamaForCausalLM")
+    register("Eagle3LlamaForCausalLM", "tokenmill.models.llama_eagle3:Eagle3LlamaForCausalLM")
+    register("LlamaForCausalLMEagle3", "tokenmill.models.llama_eagle3:Eagle3LlamaForCausalLM")

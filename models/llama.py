@@ -196,13 +196,23 @@ class LlamaModel(nn.Module):
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.aux_hidden_state_layers: tuple[int, ...] = ()
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Final normalised hidden states; with ``aux_hidden_state_layers`` set, also the
+        residual stream entering each of those layers, concatenated ([T, n·hidden])."""
         hidden_states = self.embed_tokens(input_ids)
         residual = None
-        for layer in self.layers:
+        aux = {}
+        for idx, layer in enumerate(self.layers):
+            if idx in self.aux_hidden_state_layers:
+                aux[idx] = hidden_states if residual is None else hidden_states + residual
             hidden_states, residual = layer(positions, hidden_states, residual)
         hidden_states, _ = self.norm(hidden_states, residual)
+        if aux:
+            return hidden_states, torch.cat([aux[i] for i in self.aux_hidden_state_layers], dim=-1)
         return hidden_states
 
 
@@ -237,8 +247,23 @@ class LlamaForCausalLM(nn.Module):
     def tie_word_embeddings(self) -> bool:
         return bool(getattr(self.config, "tie_word_embeddings", False))
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         return self.model(input_ids, positions)
+
+    def set_aux_hidden_state_layers(self, layers: tuple[int, ...]) -> None:
+        """Make ``forward`` also return the residual stream entering ``layers`` (what an
+        EAGLE-3 head reads)."""
+        n = len(self.model.layers)
+        if not all(0 <= i < n for i in layers):
+            raise ValueError(f"auxiliary hidden-state layers {layers} out of range for {n} layers")
+        self.model.aux_hidden_state_layers = layers
+
+    def get_eagle3_aux_hidden_state_layers(self) -> tuple[int, ...]:
+        """The low, middle and high layers EAGLE-3 heads are trained on, as vLLM picks them."""
+        n = len(self.model.layers)
+        return (2, n // 2, n - 3)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden_states)

@@ -11,3 +11,5 @@ from tokenmill.plugins import hookimpl
 def register_proposers(register):
     register("ngram", "tokenmill.spec_decode.ngram:NgramProposer")
     register("draft_model", "tokenmill.spec_decode.draft_model:DraftModelProposer")
+    for method in ("eagle", "eagle3", "mtp"):
+        register(method, "tokenmill.spec_decode.eagle:EagleProposer")

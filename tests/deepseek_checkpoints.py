@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 import transformers
+from safetensors.torch import load_file, save_file
 
 COMMON = dict(
     vocab_size=256,
@@ -85,3 +86,46 @@ def save_deepseek(path, version: str, **overrides) -> tuple[str, transformers.Pr
     model = make_deepseek(version, **overrides)
     model.save_pretrained(str(path), safe_serialization=True)
     return str(path), model
+
+
+def write_mtp_checkpoint(path):
+    """A tiny V3 checkpoint plus random MTP weights at layer ``num_hidden_layers``; returns
+    the HF model and the MTP block as a transformers decoder layer holding the same weights,
+    and the MTP layer's extra tensors."""
+    hf = make_deepseek("v3")
+    hf.save_pretrained(str(path), safe_serialization=True)
+    config = hf.config
+    k = config.num_hidden_layers
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(1)
+    block = transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3DecoderLayer(config, k).float().eval()
+    for name, p in block.named_parameters():
+        p.data.normal_(std=0.2) if "norm" not in name else p.data.uniform_(0.5, 1.5)
+    block.mlp.gate.e_score_correction_bias.normal_(std=0.1)
+    h = config.hidden_size
+    extra = {
+        "enorm.weight": torch.rand(h) + 0.5,
+        "hnorm.weight": torch.rand(h) + 0.5,
+        "eh_proj.weight": torch.randn(h, 2 * h) * 0.1,
+        "shared_head.norm.weight": torch.rand(h) + 0.5,
+        "shared_head.head.weight": torch.randn(config.vocab_size, h) * 0.2,
+        "embed_tokens.weight": hf.model.embed_tokens.weight.detach().clone(),
+    }
+    # transformers holds experts stacked; DeepSeek checkpoints name them one by one
+    tensors = {}
+    for name, tensor in block.state_dict().items():
+        if name == "mlp.experts.gate_up_proj":
+            for e in range(tensor.shape[0]):
+                gate, up = tensor[e].chunk(2)
+                tensors[f"mlp.experts.{e}.gate_proj.weight"] = gate
+                tensors[f"mlp.experts.{e}.up_proj.weight"] = up
+        elif name == "mlp.experts.down_proj":
+            for e in range(tensor.shape[0]):
+                tensors[f"mlp.experts.{e}.down_proj.weight"] = tensor[e]
+        else:
+            tensors[name] = tensor
+    tensors.update(extra)
+    weights = load_file(str(path / "model.safetensors"))
+    weights.update({f"model.layers.{k}.{n}": t.contiguous() for n, t in tensors.items()})
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return hf, block, extra

@@ -47,10 +47,11 @@ def summary(out: str) -> dict[str, str]:
     }
 
 
-DEEPSEEK_CONFTEST = """
+FIRST_PARTY_CONFTEST = """
 from pathlib import Path
 
-from deepseek_checkpoints import save_deepseek
+from deepseek_checkpoints import save_deepseek, write_mtp_checkpoint
+from eagle_heads import write_eagle_head
 
 VERSIONS = {"DeepseekV2ForCausalLM": "v2", "DeepseekV3ForCausalLM": "v3"}
 
@@ -58,8 +59,20 @@ VERSIONS = {"DeepseekV2ForCausalLM": "v2", "DeepseekV3ForCausalLM": "v3"}
 def pytest_tokenmill_tiny_checkpoint(arch, path):
     if arch in VERSIONS:
         return Path(save_deepseek(path, VERSIONS[arch])[0])
+
+
+def pytest_tokenmill_proposer_target(method, path):
+    if method == "mtp":
+        write_mtp_checkpoint(path)
+        return path
+
+
+def pytest_tokenmill_speculative_config(method, model_path, prompts):
+    if method == "eagle":
+        return {"method": method, "model": write_eagle_head(model_path.parent / "eagle_head", model_path)}
 """
-"""The kit's hook for the DeepSeek models, whose transformers defaults are far from tiny."""
+"""The kit's hooks for the DeepSeek models, whose transformers defaults are far from tiny, for
+the ``mtp`` proposer's DeepSeek-V3 target and for a random EAGLE-1 head."""
 
 CAUSAL_LMS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 """The first-party models the kit checks (not ``DeepSeekMTPModel``: a draft module, no LM)."""
@@ -70,7 +83,7 @@ pre-quantized checkpoints only; tests/test_quant_checkpoints.py covers them)."""
 
 
 def test_first_party_cpu_parts_pass(tmp_path):
-    (tmp_path / "conftest.py").write_text(DEEPSEEK_CONFTEST)
+    (tmp_path / "conftest.py").write_text(FIRST_PARTY_CONFTEST)
     models = [arg for arch in CAUSAL_LMS for arg in ("--tokenmill-model", arch)]
     result = run_kit(
         tmp_path,
@@ -79,6 +92,7 @@ def test_first_party_cpu_parts_pass(tmp_path):
         *models,
         "--tokenmill-proposer", "ngram", "--tokenmill-proposer", "draft_model",
         *[arg for method in ONLINE_QUANTIZATION for arg in ("--tokenmill-quantization", method)],
+        "--tokenmill-proposer", "eagle", "--tokenmill-proposer", "mtp",
         pythonpath=[TESTS],
     )
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
@@ -95,6 +109,8 @@ def test_first_party_cpu_parts_pass(tmp_path):
         "proposer 'ngram'": "4 of 4 contract points passed",
         "proposer 'draft_model'": "4 of 4 contract points passed",
         **{f"quantization method '{m}'": "5 of 5 contract points passed" for m in ONLINE_QUANTIZATION},
+        "proposer 'eagle'": "4 of 4 contract points passed",
+        "proposer 'mtp'": "4 of 4 contract points passed",
     }, result.stdout[-4000:]
 
 

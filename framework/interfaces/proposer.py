@@ -59,6 +59,8 @@ class TargetStep:
         prepare: ``prepare(rows, num_computed, num_new)`` flattens ``num_new`` tokens of each
             row read from ``InputBatch.token_ids`` from position ``num_computed`` on, with the
             rows' block tables, into a ``FlatInputs``.
+        aux_hidden_states: ``[T, n·hidden]`` the residual stream entering the layers a proposer
+            asked the target for (``set_aux_hidden_state_layers``), else None.
 
     The verified tokens of row ``rows[s]`` are positions ``start_positions[s]`` up to
     ``InputBatch.num_computed_tokens[rows[s]]`` (drafts the target rejected are excluded);
@@ -70,6 +72,7 @@ class TargetStep:
     query_start_loc: np.ndarray
     hidden_states: torch.Tensor
     prepare: Callable[[np.ndarray, np.ndarray, np.ndarray], FlatInputs]
+    aux_hidden_states: torch.Tensor | None = None
 
 
 @dataclass

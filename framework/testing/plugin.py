@@ -45,8 +45,14 @@ class KitHooks:
         builds one with transformers when transformers knows ``arch``."""
 
     @pytest.hookspec(firstresult=True)
+    def pytest_tokenmill_proposer_target(self, method: str, path: Path) -> Path | None:
+        """Save the tiny target checkpoint (vocabulary of 256) to check proposer ``method``
+        on under ``path`` and return it, for a proposer that needs a particular target (``mtp``
+        a DeepSeek-V3 with MTP layers); None leaves it to the kit: a tiny Llama."""
+
+    @pytest.hookspec(firstresult=True)
     def pytest_tokenmill_speculative_config(self, method: str, model_path: Path, prompts: list[list[int]]) -> dict | None:
-        """The ``speculative_config`` to check proposer ``method`` with, on the tiny Llama at
+        """The ``speculative_config`` to check proposer ``method`` with, on the tiny target at
         ``model_path`` and these prompts (token ids); None leaves it to the kit:
         ``{"method": method}`` (with the target as its own draft for ``draft_model``)."""
 

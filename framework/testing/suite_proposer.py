@@ -17,8 +17,11 @@ VARIANTS = {
 
 
 @pytest.fixture(scope="module")
-def target(tmp_path_factory):
-    return save_tiny_checkpoint("LlamaForCausalLM", tmp_path_factory.mktemp("proposer_target"))
+def target(tokenmill_proposer: str, tmp_path_factory, request):
+    """The author's target (hook ``pytest_tokenmill_proposer_target``), else a tiny Llama."""
+    path = tmp_path_factory.mktemp("proposer_target")
+    custom = request.config.hook.pytest_tokenmill_proposer_target(method=tokenmill_proposer, path=path)
+    return custom or save_tiny_checkpoint("LlamaForCausalLM", path)
 
 
 @pytest.fixture(scope="module")

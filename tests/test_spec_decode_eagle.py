@@ -1,0 +1,166 @@
+"""The ``eagle``, ``eagle3`` and ``mtp`` proposers: greedy output equals the non-speculative
+run (plain, chunked prefill, preemption, prefix caching; every block freed), with tiny random
+heads written here in the layouts the EAGLE authors publish, and a DeepSeek-V3 checkpoint's
+own MTP layer."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import make_tiny_checkpoint
+from deepseek_checkpoints import write_mtp_checkpoint
+from eagle_heads import write_eagle_head
+from tokenmill import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+ENGINES = {
+    "plain": {"num_kv_blocks": 256},
+    "chunked": {"num_kv_blocks": 256, "max_num_batched_tokens": 32},
+    "preempting": {"num_kv_blocks": 24},
+}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("eagle")
+    # layers 2, n // 2 and n - 3 of an EAGLE-3 target must exist
+    target = make_tiny_checkpoint(root / "target", num_hidden_layers=6)
+    write_mtp_checkpoint(root / "deepseek")
+    return {
+        "target": target,
+        "eagle": write_eagle_head(root / "eagle", target),
+        "eagle3": write_eagle_head(root / "eagle3", target, draft_vocab_size=96),
+        "eagle3-own-embedding": write_eagle_head(root / "eagle3e", target, 96, own_embedding=True),
+        "deepseek": str(root / "deepseek"),
+    }
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[dict]:
+    rng = random.Random(0)
+    shared = [rng.randrange(256) for _ in range(20)]
+    prompts = [[rng.randrange(256) for _ in range(rng.randrange(3, 60))] for _ in range(6)]
+    prompts += [shared + [rng.randrange(256) for _ in range(n)] for n in (2, 40)]
+    return [{"prompt_token_ids": p} for p in prompts]
+
+
+def _generate(llm: LLM, prompts, params=GREEDY) -> list[list[int]]:
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    stats = llm.get_stats()
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def references(models, prompts) -> dict[str, list[list[int]]]:
+    return {
+        target: _generate(LLM(model=models[target], num_kv_blocks=256, max_model_len=256), prompts)
+        for target in ("target", "deepseek")
+    }
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+@pytest.mark.parametrize("head", ["eagle", "eagle3", "eagle3-own-embedding", "mtp"])
+def test_greedy_equals_non_speculative(models, prompts, references, head, engine):
+    target = "deepseek" if head == "mtp" else "target"
+    spec = {"method": head.split("-")[0], "num_speculative_tokens": 3, "disable_by_batch_size": 0}
+    if head != "mtp":
+        spec["model"] = models[head]
+    llm = LLM(model=models[target], max_model_len=256, speculative_config=spec, **ENGINES[engine])
+    assert _generate(llm, prompts) == references[target]
+    if engine == "plain":
+        assert _generate(llm, prompts) == references[target]
+        assert llm.get_stats()["prefix_cache_hit_tokens"] > 0
+    stats = llm.get_stats()
+    assert stats["spec_num_drafts"] > 0
+    if engine == "preempting":
+        assert stats["num_preemptions"] > 0
+
+
+def test_mtp_reuses_its_layer_beyond_num_nextn_predict_layers(models, prompts, references):
+    """k = 4 with one MTP layer: the layer runs at every depth (drafts of 4 tokens, fewer only
+    near max_tokens), output unchanged."""
+    spec = {"method": "mtp", "num_speculative_tokens": 4, "disable_by_batch_size": 0}
+    llm = LLM(model=models["deepseek"], num_kv_blocks=256, max_model_len=256, speculative_config=spec)
+    assert _generate(llm, prompts[:3]) == references["deepseek"][:3]
+    stats = llm.get_stats()
+    assert 3 * stats["spec_num_drafts"] < stats["spec_num_draft_tokens"] <= 4 * stats["spec_num_drafts"]
+
+
+def test_refused_configs_name_the_problem(models):
+    from tokenmill.config import EngineConfig
+
+    cases = [
+        ({"method": "mtp"}, models["target"], r"'mtp' needs a target with MTP layers"),
+        ({"method": "mtp", "model": models["eagle"]}, models["deepseek"], r"\['model'\] .* method 'mtp' runs the MTP layers of the target"),
+        ({"method": "eagle"}, models["target"], r"\['model'\] is required for method 'eagle'"),
+        ({"method": "eagle3", "model": models["eagle3"]}, models["deepseek"], r"eagle3 heads use standard attention; the target's backend .* is an MLA one"),
+    ]
+    for spec, target, message in cases:
+        with pytest.raises(ValueError, match=message):
+            LLM(model=target, num_kv_blocks=64, max_model_len=256,
+                speculative_config={"num_speculative_tokens": 2, **spec})
+
+
+def _training_script():
+    """``scripts/train_eagle3.py``, whose whole-sequence head trained the shipped one."""
+    path = Path(__file__).resolve().parent.parent / "scripts" / "train_eagle3.py"
+    spec = importlib.util.spec_from_file_location("train_eagle3", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_eagle3_drafts_are_the_training_heads(models, tmp_path, monkeypatch):
+    """The engine's EAGLE-3 head, run step by step over the paged cache, drafts what the
+    training script's head (whole sequence, the training-time-test attention) predicts, from
+    the file that script writes."""
+    import transformers
+
+    from tokenmill.spec_decode.eagle import EagleProposer
+
+    train = _training_script()
+    cfg = json.loads((Path(models["target"]) / "config.json").read_text())
+    hf = transformers.LlamaForCausalLM.from_pretrained(models["target"], dtype=torch.float32).eval()
+    torch.manual_seed(0)
+    head = train.Eagle3Head(cfg, hf.model.embed_tokens.weight.detach(), 96)
+    with torch.no_grad():
+        for name, param in head.named_parameters():
+            param.copy_((1 + torch.randn_like(param) / 10) if "norm" in name else torch.randn_like(param) * 0.3)
+            param.copy_(param.half().float())  # as saved
+    draft_ids = torch.randperm(cfg["vocab_size"])[:96].sort().values
+    train.save_head(tmp_path / "head", head, cfg, draft_ids)
+
+    proposals = []
+    propose = EagleProposer.propose
+
+    def spy(self, batch):
+        proposal = propose(self, batch)
+        if len(batch.rows):
+            proposals.append(proposal.draft_token_ids.copy())
+        return proposal
+
+    monkeypatch.setattr(EagleProposer, "propose", spy)
+    spec = {"method": "eagle3", "model": str(tmp_path / "head"), "num_speculative_tokens": 3}
+    llm = LLM(model=models["target"], num_kv_blocks=64, max_model_len=256, speculative_config=spec)
+    prompt = [random.Random(1).randrange(256) for _ in range(21)]
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+    ids = prompt + out[0].outputs[0].token_ids[:1]
+
+    layers = (2, 3, 3)  # 2, n // 2, n - 3 of the 6-layer target
+    with torch.no_grad():
+        states = hf.model(input_ids=torch.tensor([prompt]), output_hidden_states=True).hidden_states
+        aux = torch.cat([states[i][0] for i in layers], dim=-1)
+        next_ids, expected = torch.tensor(ids[1:]), []
+        for j in range(3):
+            logits = head.logits(head(next_ids[None], aux[None], steps=j + 1)[j][0, len(prompt) - 1 + j])
+            expected.append(int(draft_ids[logits.argmax()]))
+            next_ids = torch.cat((next_ids, torch.tensor(expected[-1:])))
+            aux = torch.cat((aux, torch.zeros(1, aux.shape[1])))  # never read: only step 0 reads it
+    assert proposals[0][0].tolist() == expected
