@@ -165,8 +165,8 @@ def test_engine_logs_parts_from_the_plugin(installed, hf_gpt2, tokenmill_log):
     source = f"from plugin 'example' (distribution '{DIST}')"
     parts = [
         "platform 'example': tokenmill_example_plugin.platform:ExamplePlatform",
-        "attention backend 'example-hnd': tokenmill_example_plugin.attention:HeadMajorBackend",
         "model 'GPT2LMHeadModel': tokenmill_example_plugin.gpt2:GPT2LMHeadModel",
+        "attention backend 'example-hnd': tokenmill_example_plugin.attention:HeadMajorBackend",
     ]
     logged = [(level, msg) for name, level, msg in tokenmill_log if name == "tokenmill.plugins"]
     assert logged == [(logging.INFO, f"using {part} {source}") for part in parts]

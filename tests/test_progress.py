@@ -87,8 +87,8 @@ def test_engine_logs_a_start_up_summary(tiny, caplog, monkeypatch):
     assert summary(caplog) == (
         f"model tokenmill.models.llama.LlamaForCausalLM from {tiny}, dtype float32, "
         "max_model_len 128; platform cpu; attention backend cpu_sdpa (automatic: the first to "
-        "serve the model among platform cpu's candidates cpu_sdpa, torch); "
-        "KV cache 32 blocks of 8 tokens (0.1 MiB)"
+        "serve the model among platform cpu's candidates cpu_sdpa, torch); uni executor, "
+        "1 rank(s); KV cache 32 blocks of 8 tokens (0.1 MiB per rank)"
     )
 
 
