@@ -34,9 +34,35 @@ def random_batch(
     seed: int = 0,
 ) -> PagedBatch:
     """Request ``i`` has ``context_lens[i]`` cached tokens (random K/V already in the cache)
-    and schedules ``query_lens[i]`` new ones; blocks are a random permutation of the pool, and
-    the block table is wider than any request needs."""
+    and schedules ``query_lens[i]`` new ones, laid out by :func:`paged_metadata`."""
     gen = torch.Generator().manual_seed(seed)
+    common, num_blocks = paged_metadata(query_lens, context_lens, block_size, gen, device)
+    num_tokens = sum(query_lens)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
+
+    return PagedBatch(
+        randn(num_tokens, num_heads, head_size),
+        randn(num_tokens, num_kv_heads, head_size),
+        randn(num_tokens, num_kv_heads, head_size),
+        randn(2, num_blocks, block_size, num_kv_heads, head_size),
+        common,
+        block_size,
+    )
+
+
+def paged_metadata(
+    query_lens: list[int],
+    context_lens: list[int],
+    block_size: int,
+    gen: torch.Generator,
+    device: str | torch.device = "cpu",
+) -> tuple[CommonAttentionMetadata, int]:
+    """The metadata of requests ``i`` with ``context_lens[i]`` cached tokens scheduling
+    ``query_lens[i]`` new ones, and the number of blocks in the pool: blocks are a random
+    permutation of the pool (drawn from ``gen``), and the block table is wider than any
+    request needs."""
     seq_lens = [q + c for q, c in zip(query_lens, context_lens)]
     blocks_needed = [-(-s // block_size) for s in seq_lens]
     num_blocks = sum(blocks_needed) + 3
@@ -51,20 +77,7 @@ def random_batch(
     for i, (c, s) in enumerate(zip(context_lens, seq_lens)):
         pos = torch.arange(c, s)
         slots.append(block_table[i, pos // block_size].long() * block_size + pos % block_size)
-    num_tokens = sum(query_lens)
-
-    def randn(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
-
-    common = _metadata(query_lens, context_lens, block_table, slots, device)
-    return PagedBatch(
-        randn(num_tokens, num_heads, head_size),
-        randn(num_tokens, num_kv_heads, head_size),
-        randn(num_tokens, num_kv_heads, head_size),
-        randn(2, num_blocks, block_size, num_kv_heads, head_size),
-        common,
-        block_size,
-    )
+    return _metadata(query_lens, context_lens, block_table, slots, device), num_blocks
 
 
 def to_backend_layout(backend: type[AttentionBackend], kv_cache: torch.Tensor) -> torch.Tensor:
@@ -149,22 +162,28 @@ def _metadata(
     )
 
 
-def context_fill(batch: PagedBatch, seed: int = 1) -> PagedBatch:
-    """The step that writes ``batch``'s cached context itself: each request with a context
-    prefills it as new tokens (random Q/K/V) over the same block table, so a backend's cache
-    can be filled by the backend, in whatever layout it keeps."""
-    common = batch.common
+def context_metadata(common: CommonAttentionMetadata, block_size: int) -> CommonAttentionMetadata:
+    """The metadata of the step that writes ``common``'s cached contexts: each request with a
+    context prefills it as new tokens over the same block table."""
     context = common.num_computed_tokens_cpu.tolist()
     rows = [i for i, c in enumerate(context) if c > 0]
     lens = [context[i] for i in rows]
     block_table = common.block_table.cpu()[rows]
-    bs = batch.block_size
     slots = [
-        block_table[j, torch.arange(n) // bs].long() * bs + torch.arange(n) % bs
+        block_table[j, torch.arange(n) // block_size].long() * block_size
+        + torch.arange(n) % block_size
         for j, n in enumerate(lens)
     ]
+    return _metadata(lens, [0] * len(lens), block_table, slots, common.block_table.device)
+
+
+def context_fill(batch: PagedBatch, seed: int = 1) -> PagedBatch:
+    """The step that writes ``batch``'s cached context itself (:func:`context_metadata`, with
+    random Q/K/V), so a backend's cache can be filled by the backend, in whatever layout it
+    keeps."""
+    fill = context_metadata(batch.common, batch.block_size)
     device, dtype = batch.query.device, batch.query.dtype
-    num_tokens = sum(lens)
+    num_tokens = fill.num_actual_tokens
     gen = torch.Generator().manual_seed(seed)
     heads, head_size = batch.query.shape[1:]
     kv_heads = batch.key.shape[1]
@@ -172,14 +191,13 @@ def context_fill(batch: PagedBatch, seed: int = 1) -> PagedBatch:
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
 
-    fill = _metadata(lens, [0] * len(lens), block_table, slots, device)
     return PagedBatch(
         randn(num_tokens, heads, head_size),
         randn(num_tokens, kv_heads, head_size),
         randn(num_tokens, kv_heads, head_size),
         torch.zeros_like(batch.kv_cache),
         fill,
-        bs,
+        batch.block_size,
     )
 
 
@@ -219,11 +237,18 @@ def reference_permutation(
     head_size: int,
 ) -> tuple[int, ...] | None:
     """How ``backend``'s cache maps onto the reference layout
-    ``[2, num_blocks, block_size, num_kv_heads, head_size]``: ``cache.permute(perm)`` is that
-    layout. None when the sizes are not all different or the backend's shape is not a
-    permutation of them (a packed or padded layout)."""
-    reference = (2, num_blocks, block_size, num_kv_heads, head_size)
-    shape = tuple(backend.get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size))
+    ``[2, num_blocks, block_size, num_kv_heads, head_size]`` (:func:`layout_permutation`)."""
+    shape = backend.get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)
+    return layout_permutation(shape, (2, num_blocks, block_size, num_kv_heads, head_size))
+
+
+def layout_permutation(shape: tuple[int, ...], reference: tuple[int, ...]) -> tuple[int, ...] | None:
+    """``perm`` such that a cache of ``shape`` permuted by it is in the ``reference`` layout;
+    None when ``shape`` is not ``reference`` and either the sizes are not all different or it
+    is not a permutation of them (a packed or padded layout)."""
+    shape = tuple(shape)
+    if shape == tuple(reference):
+        return tuple(range(len(shape)))
     if len(set(reference)) < len(reference) or sorted(shape) != sorted(reference):
         return None
     return tuple(shape.index(size) for size in reference)

@@ -1,0 +1,121 @@
+"""Random mixed batches for MLA attention backends over a paged latent cache, and a driver that
+runs any MLA backend on one (the layer's inputs as ``tokenmill.layers.mla_attention`` hands
+them over: rotated queries, normalised latents ``kv_c`` and rotated shared keys ``k_pe``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill.interfaces import MLAAttentionSpec
+from tokenmill.interfaces.attention import AttentionBackend, CommonAttentionMetadata
+from tokenmill.testing.paged import context_metadata, paged_metadata
+
+
+@dataclass(frozen=True)
+class MLAShape:
+    """One MLA layer's dimensions; the cache holds ``kv_lora_rank + qk_rope_head_dim`` per token."""
+
+    num_heads: int
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+    qk_nope_head_dim: int = 32
+    v_head_dim: int = 16
+
+    @property
+    def latent_size(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    def __str__(self) -> str:
+        return (
+            f"heads={self.num_heads} kv_lora_rank={self.kv_lora_rank} "
+            f"rope={self.qk_rope_head_dim} nope={self.qk_nope_head_dim} v={self.v_head_dim}"
+        )
+
+
+@dataclass
+class MLAStep:
+    query: torch.Tensor  # [T, heads, nope + rope]
+    kv_c: torch.Tensor  # [T, kv_lora_rank]
+    k_pe: torch.Tensor  # [T, rope]
+    common: CommonAttentionMetadata
+
+
+@dataclass
+class MLABatch:
+    """Steps to run in order on one cache: with cached contexts, first the step that prefills
+    them (:func:`tokenmill.testing.paged.context_metadata`), then the mixed step."""
+
+    shape: MLAShape
+    block_size: int
+    num_blocks: int
+    kv_b_proj: torch.nn.Linear  # [heads * (nope + v), kv_lora_rank]
+    steps: list[MLAStep]
+
+
+def random_mla_batch(
+    query_lens: list[int],
+    context_lens: list[int],
+    shape: MLAShape,
+    block_size: int,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    seed: int = 0,
+) -> MLABatch:
+    """Request ``i`` schedules ``query_lens[i]`` new tokens after ``context_lens[i]`` cached
+    ones (written by the batch's first step), laid out by
+    :func:`tokenmill.testing.paged.paged_metadata`; random inputs and ``kv_b_proj``."""
+    gen = torch.Generator().manual_seed(seed)
+    common, num_blocks = paged_metadata(query_lens, context_lens, block_size, gen, device)
+    commons = [context_metadata(common, block_size), common] if any(context_lens) else [common]
+
+    def randn(*dims: int, std: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*dims, generator=gen) * std).to(device=device, dtype=dtype)
+
+    s = shape
+    steps = [
+        MLAStep(
+            randn(c.num_actual_tokens, s.num_heads, s.qk_nope_head_dim + s.qk_rope_head_dim),
+            randn(c.num_actual_tokens, s.kv_lora_rank),
+            randn(c.num_actual_tokens, s.qk_rope_head_dim),
+            c,
+        )
+        for c in commons
+    ]
+    kv_b_proj = torch.nn.Linear(
+        s.kv_lora_rank, s.num_heads * (s.qk_nope_head_dim + s.v_head_dim), bias=False
+    )
+    kv_b_proj.weight.data = randn(*kv_b_proj.weight.shape, std=s.kv_lora_rank**-0.5)
+    return MLABatch(shape, block_size, num_blocks, kv_b_proj, steps)
+
+
+def run_mla_steps(
+    backend: type[AttentionBackend], batch: MLABatch
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Run one MLA layer of ``backend`` over ``batch``'s steps in order on one cache that
+    starts zeroed, in the backend's own layout (``get_kv_cache_shape`` with one KV head of the
+    latent's size): each step's output [T, heads, v_head_dim], and the cache after the last."""
+    s = batch.shape
+    first = batch.steps[0]
+    dtype, device = first.query.dtype, first.query.device
+    spec = MLAAttentionSpec(batch.block_size, dtype, s.latent_size)
+    builder = backend.get_metadata_builder_cls()(spec, device)
+    impl = backend.get_impl_cls()(
+        s.num_heads,
+        s.latent_size,
+        (s.qk_nope_head_dim + s.qk_rope_head_dim) ** -0.5,
+        1,
+        kv_lora_rank=s.kv_lora_rank,
+        qk_nope_head_dim=s.qk_nope_head_dim,
+        qk_rope_head_dim=s.qk_rope_head_dim,
+        v_head_dim=s.v_head_dim,
+        kv_b_proj=batch.kv_b_proj,
+    )
+    cache_shape = backend.get_kv_cache_shape(batch.num_blocks, batch.block_size, 1, s.latent_size)
+    cache = torch.zeros(cache_shape, dtype=dtype, device=device)
+    outputs = [
+        impl.forward(step.query, step.kv_c, step.k_pe, cache, builder.build(step.common))
+        for step in batch.steps
+    ]
+    return outputs, cache
