@@ -12,7 +12,7 @@ import torch
 
 from tokenmill import plugins
 from tokenmill.interfaces.attention import AttentionBackend, AttentionConfig
-from tokenmill.testing.paged import MIXED_SHAPES
+from tokenmill.testing.paged import MIXED_SHAPES, layout_permutation
 
 BLOCK_SIZES = [16, 5]
 SHAPES = [*MIXED_SHAPES, ([1] * 6, [3, 16, 17, 40, 1, 70])]
@@ -46,15 +46,20 @@ def dtype_for(device_type: str) -> torch.dtype:
 
 @dataclass
 class Comparison:
-    """One case run through the backend and through the reference backend."""
+    """One case run through the backend and through the reference backend: each step's
+    output, and the cache after the last step."""
 
     label: str
     outputs: list[torch.Tensor]
-    reference_outputs: list[torch.Tensor]
     cache: torch.Tensor
+    reference_outputs: list[torch.Tensor]
     reference_cache: torch.Tensor
-    permutation: tuple[int, ...] | None
-    """``cache.permute(permutation)`` is in the reference layout; None when no permutation is."""
+
+    @property
+    def permutation(self) -> tuple[int, ...] | None:
+        """``cache.permute(permutation)`` is in the reference layout; None when no permutation
+        of the backend's layout is known to be."""
+        return layout_permutation(tuple(self.cache.shape), tuple(self.reference_cache.shape))
 
 
 def assert_reasons(backend: type[AttentionBackend]) -> None:
@@ -75,6 +80,21 @@ def assert_reasons(backend: type[AttentionBackend]) -> None:
                     assert reasons, f"accepts {config} although is_mla() is {backend.is_mla()}"
                 if kv_dtype not in backend.supported_kv_cache_dtypes:
                     assert reasons, f"accepts KV-cache dtype {kv_dtype!r} not in supported_kv_cache_dtypes"
+
+
+def assert_claims(cases: Iterable, device_type: str, tried: str) -> None:
+    """``validate_configuration`` accepts at least one of ``cases``, the accepted ones among
+    the kit's ``tried`` cases."""
+    assert list(cases), (
+        f"validate_configuration rejects every case the kit tries on {device_type}: {tried}"
+    )
+
+
+def assert_cache_shape(shape: tuple[int, ...], numel: int, holds: str) -> None:
+    """``shape`` (``get_kv_cache_shape``'s) is positive ints with ``numel`` elements, what the
+    cache of ``holds`` takes."""
+    assert all(isinstance(d, int) and d > 0 for d in shape), f"shape {shape} is not positive ints"
+    assert torch.Size(shape).numel() == numel, f"shape {tuple(shape)} does not hold exactly {holds}"
 
 
 def assert_cache_matches(comparisons: Iterable[Comparison], written: str, index: str) -> None:

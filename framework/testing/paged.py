@@ -37,18 +37,32 @@ def random_batch(
     and schedules ``query_lens[i]`` new ones, laid out by :func:`paged_metadata`."""
     gen = torch.Generator().manual_seed(seed)
     common, num_blocks = paged_metadata(query_lens, context_lens, block_size, gen, device)
-    num_tokens = sum(query_lens)
+    qkv = random_qkv(gen, sum(query_lens), num_heads, num_kv_heads, head_size, dtype, device)
+    cache = randn(gen, (2, num_blocks, block_size, num_kv_heads, head_size), dtype, device)
+    return PagedBatch(*qkv, cache, common, block_size)
 
-    def randn(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
 
-    return PagedBatch(
-        randn(num_tokens, num_heads, head_size),
-        randn(num_tokens, num_kv_heads, head_size),
-        randn(num_tokens, num_kv_heads, head_size),
-        randn(2, num_blocks, block_size, num_kv_heads, head_size),
-        common,
-        block_size,
+def randn(
+    gen: torch.Generator, shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device
+) -> torch.Tensor:
+    """Standard normal values drawn from ``gen`` on the CPU (the same on every device)."""
+    return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
+
+
+def random_qkv(
+    gen: torch.Generator,
+    num_tokens: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_size: int,
+    dtype: torch.dtype,
+    device: str | torch.device,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random queries [T, heads, head_size], keys and values [T, kv_heads, head_size]."""
+    return (
+        randn(gen, (num_tokens, num_heads, head_size), dtype, device),
+        randn(gen, (num_tokens, num_kv_heads, head_size), dtype, device),
+        randn(gen, (num_tokens, num_kv_heads, head_size), dtype, device),
     )
 
 
@@ -182,23 +196,12 @@ def context_fill(batch: PagedBatch, seed: int = 1) -> PagedBatch:
     random Q/K/V), so a backend's cache can be filled by the backend, in whatever layout it
     keeps."""
     fill = context_metadata(batch.common, batch.block_size)
-    device, dtype = batch.query.device, batch.query.dtype
-    num_tokens = fill.num_actual_tokens
-    gen = torch.Generator().manual_seed(seed)
     heads, head_size = batch.query.shape[1:]
-    kv_heads = batch.key.shape[1]
-
-    def randn(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
-
-    return PagedBatch(
-        randn(num_tokens, heads, head_size),
-        randn(num_tokens, kv_heads, head_size),
-        randn(num_tokens, kv_heads, head_size),
-        torch.zeros_like(batch.kv_cache),
-        fill,
-        batch.block_size,
+    qkv = random_qkv(
+        torch.Generator().manual_seed(seed), fill.num_actual_tokens, heads, batch.key.shape[1],
+        head_size, batch.query.dtype, batch.query.device,
     )
+    return PagedBatch(*qkv, torch.zeros_like(batch.kv_cache), fill, batch.block_size)
 
 
 def run_steps(
@@ -227,19 +230,6 @@ def run_steps(
         for step in steps
     ]
     return outputs, cache
-
-
-def reference_permutation(
-    backend: type[AttentionBackend],
-    num_blocks: int,
-    block_size: int,
-    num_kv_heads: int,
-    head_size: int,
-) -> tuple[int, ...] | None:
-    """How ``backend``'s cache maps onto the reference layout
-    ``[2, num_blocks, block_size, num_kv_heads, head_size]`` (:func:`layout_permutation`)."""
-    shape = backend.get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)
-    return layout_permutation(shape, (2, num_blocks, block_size, num_kv_heads, head_size))
 
 
 def layout_permutation(shape: tuple[int, ...], reference: tuple[int, ...]) -> tuple[int, ...] | None:

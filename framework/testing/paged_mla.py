@@ -10,7 +10,7 @@ import torch
 
 from tokenmill.interfaces import MLAAttentionSpec
 from tokenmill.interfaces.attention import AttentionBackend, CommonAttentionMetadata
-from tokenmill.testing.paged import context_metadata, paged_metadata
+from tokenmill.testing.paged import context_metadata, paged_metadata, randn
 
 
 @dataclass(frozen=True)
@@ -70,23 +70,18 @@ def random_mla_batch(
     common, num_blocks = paged_metadata(query_lens, context_lens, block_size, gen, device)
     commons = [context_metadata(common, block_size), common] if any(context_lens) else [common]
 
-    def randn(*dims: int, std: float = 1.0) -> torch.Tensor:
-        return (torch.randn(*dims, generator=gen) * std).to(device=device, dtype=dtype)
-
     s = shape
-    steps = [
-        MLAStep(
-            randn(c.num_actual_tokens, s.num_heads, s.qk_nope_head_dim + s.qk_rope_head_dim),
-            randn(c.num_actual_tokens, s.kv_lora_rank),
-            randn(c.num_actual_tokens, s.qk_rope_head_dim),
-            c,
-        )
-        for c in commons
-    ]
-    kv_b_proj = torch.nn.Linear(
-        s.kv_lora_rank, s.num_heads * (s.qk_nope_head_dim + s.v_head_dim), bias=False
-    )
-    kv_b_proj.weight.data = randn(*kv_b_proj.weight.shape, std=s.kv_lora_rank**-0.5)
+    steps = []
+    for c in commons:
+        t = c.num_actual_tokens
+        query = randn(gen, (t, s.num_heads, s.qk_nope_head_dim + s.qk_rope_head_dim), dtype, device)
+        kv_c = randn(gen, (t, s.kv_lora_rank), dtype, device)
+        k_pe = randn(gen, (t, s.qk_rope_head_dim), dtype, device)
+        steps.append(MLAStep(query, kv_c, k_pe, c))
+    out_features = s.num_heads * (s.qk_nope_head_dim + s.v_head_dim)
+    kv_b_proj = torch.nn.Linear(s.kv_lora_rank, out_features, bias=False, device="meta")
+    weight = randn(gen, (out_features, s.kv_lora_rank), dtype, device) * s.kv_lora_rank**-0.5
+    kv_b_proj.weight = torch.nn.Parameter(weight, requires_grad=False)
     return MLABatch(shape, block_size, num_blocks, kv_b_proj, steps)
 
 
