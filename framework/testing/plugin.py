@@ -6,8 +6,9 @@ speculative-decoding proposer and quantization method that the ``tokenmill.plugi
 point ``NAME`` registers; ``--tokenmill-backend``, ``--tokenmill-platform``,
 ``--tokenmill-model``, ``--tokenmill-proposer`` and ``--tokenmill-quantization`` pick single
 parts (each may repeat). The
-suites are the ``suite_*`` modules next to this one, one test per contract point; without
-explicit test paths only they run. A summary lists each part's contract points."""
+suites are the ``suite_*`` modules next to this one, one test per contract point (an attention
+backend whose ``is_mla()`` is true gets ``suite_mla_backend``); without explicit test paths
+only they run. A summary lists each part's contract points."""
 
 from __future__ import annotations
 
