@@ -155,6 +155,18 @@ def test_unknown_part_is_a_usage_error(tmp_path, option, message):
     assert message in result.stderr + result.stdout
 
 
+def test_unimportable_backend_is_a_usage_error(tmp_path):
+    """The kit loads a backend to pick its suite (MLA or not): a target that does not import
+    stops the run with the registry's message."""
+    (tmp_path / "conftest.py").write_text(
+        "from tokenmill import plugins\n"
+        "plugins.register_attention_backend('missing', 'no_such_module:Backend')\n"
+    )
+    result = run_kit(tmp_path, "--tokenmill-backend", "missing")
+    assert result.returncode == 4, result.stdout + result.stderr
+    assert "cannot import attention backend 'missing'" in result.stderr + result.stdout
+
+
 def test_broken_parts_fail_at_their_contract_point(tmp_path):
     (tmp_path / "conftest.py").write_text(BROKEN_CONFTEST)
     result = run_kit(

@@ -27,6 +27,11 @@ class MLAShape:
     def latent_size(self) -> int:
         return self.kv_lora_rank + self.qk_rope_head_dim
 
+    @property
+    def qk_head_dim(self) -> int:
+        """A query head's size: the no-rope part, then the rope part."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
     def __str__(self) -> str:
         return (
             f"heads={self.num_heads} kv_lora_rank={self.kv_lora_rank} "
@@ -70,17 +75,17 @@ def random_mla_batch(
     common, num_blocks = paged_metadata(query_lens, context_lens, block_size, gen, device)
     commons = [context_metadata(common, block_size), common] if any(context_lens) else [common]
 
-    s = shape
     steps = []
     for c in commons:
         t = c.num_actual_tokens
-        query = randn(gen, (t, s.num_heads, s.qk_nope_head_dim + s.qk_rope_head_dim), dtype, device)
-        kv_c = randn(gen, (t, s.kv_lora_rank), dtype, device)
-        k_pe = randn(gen, (t, s.qk_rope_head_dim), dtype, device)
+        query = randn(gen, (t, shape.num_heads, shape.qk_head_dim), dtype, device)
+        kv_c = randn(gen, (t, shape.kv_lora_rank), dtype, device)
+        k_pe = randn(gen, (t, shape.qk_rope_head_dim), dtype, device)
         steps.append(MLAStep(query, kv_c, k_pe, c))
-    out_features = s.num_heads * (s.qk_nope_head_dim + s.v_head_dim)
-    kv_b_proj = torch.nn.Linear(s.kv_lora_rank, out_features, bias=False, device="meta")
-    weight = randn(gen, (out_features, s.kv_lora_rank), dtype, device) * s.kv_lora_rank**-0.5
+    rank = shape.kv_lora_rank
+    out_features = shape.num_heads * (shape.qk_nope_head_dim + shape.v_head_dim)
+    kv_b_proj = torch.nn.Linear(rank, out_features, bias=False, device="meta")
+    weight = randn(gen, (out_features, rank), dtype, device) * rank**-0.5
     kv_b_proj.weight = torch.nn.Parameter(weight, requires_grad=False)
     return MLABatch(shape, block_size, num_blocks, kv_b_proj, steps)
 
@@ -91,23 +96,23 @@ def run_mla_steps(
     """Run one MLA layer of ``backend`` over ``batch``'s steps in order on one cache that
     starts zeroed, in the backend's own layout (``get_kv_cache_shape`` with one KV head of the
     latent's size): each step's output [T, heads, v_head_dim], and the cache after the last."""
-    s = batch.shape
+    shape = batch.shape
     first = batch.steps[0]
     dtype, device = first.query.dtype, first.query.device
-    spec = MLAAttentionSpec(batch.block_size, dtype, s.latent_size)
+    spec = MLAAttentionSpec(batch.block_size, dtype, shape.latent_size)
     builder = backend.get_metadata_builder_cls()(spec, device)
     impl = backend.get_impl_cls()(
-        s.num_heads,
-        s.latent_size,
-        (s.qk_nope_head_dim + s.qk_rope_head_dim) ** -0.5,
+        shape.num_heads,
+        shape.latent_size,
+        shape.qk_head_dim**-0.5,
         1,
-        kv_lora_rank=s.kv_lora_rank,
-        qk_nope_head_dim=s.qk_nope_head_dim,
-        qk_rope_head_dim=s.qk_rope_head_dim,
-        v_head_dim=s.v_head_dim,
+        kv_lora_rank=shape.kv_lora_rank,
+        qk_nope_head_dim=shape.qk_nope_head_dim,
+        qk_rope_head_dim=shape.qk_rope_head_dim,
+        v_head_dim=shape.v_head_dim,
         kv_b_proj=batch.kv_b_proj,
     )
-    cache_shape = backend.get_kv_cache_shape(batch.num_blocks, batch.block_size, 1, s.latent_size)
+    cache_shape = backend.get_kv_cache_shape(batch.num_blocks, batch.block_size, 1, shape.latent_size)
     cache = torch.zeros(cache_shape, dtype=dtype, device=device)
     outputs = [
         impl.forward(step.query, step.kv_c, step.k_pe, cache, builder.build(step.common))
