@@ -78,9 +78,9 @@ def test_settings_tensor_parallelism_cannot_honour_are_refused(default_model_dir
 
 
 def test_default_model_tp3_matches_tp1(default_model_dir):
-    """9 query / 3 KV heads over 3 worker processes: 16 prompts x 32 tokens equal one rank's."""
-    prompts = random_prompts(49152, (7, 19, 33, 50) * 4, seed=2)
-    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    """9 query / 3 KV heads over 3 worker processes: 6 prompts x 16 tokens equal one rank's."""
+    prompts = random_prompts(49152, (7, 19, 33, 50, 3, 26), seed=2)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     args = dict(block_size=16, max_model_len=512, num_kv_blocks=128)
     expected = generate(LLM(**args), prompts, params)
     llm = LLM(tensor_parallel_size=3, **args)
