@@ -3,9 +3,11 @@ stored and multiply with them directly (``LLM(model="file.gguf")``, or the defau
 ``quantization="gguf"``).
 
 Q4_0, Q4_1 and Q8_0 weights stay blocks in memory. Up to :data:`GEMV_MAX_ROWS` activation rows
-(decode) go through the C kernel that widens each block to float32 in registers and multiplies
-with the float32 activations; more rows (prefill) dequantize the matrix into a reused float32
-buffer and run one float GEMM. Weights stored as F32/F16, of another GGUF type, or of mixed types
+(decode) go through a C kernel: by default llama.cpp's product, each activation row quantized to
+int8 blocks of 32 (a float scale each) and every block pair's dot product summed in int32; with
+``TOKENMILL_GGUF_FLOAT_ACTIVATIONS=1`` one that widens each weight block to float32 in registers
+and multiplies the float32 activations (the float product with the dequantized weights). More
+rows (prefill) dequantize the matrix into a reused float32 buffer and run one float GEMM. Weights stored as F32/F16, of another GGUF type, or of mixed types
 within one fused layer are dequantized to float32 once at load (logged). The token embedding is
 dequantized to float32 once at load; the LM head multiplies with its blocks.
 
@@ -25,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill import envs
 from tokenmill.interfaces.quantization import LinearMethod, QuantizationMethod
 from tokenmill.ops import cpu as cpu_ops
 
@@ -102,7 +105,8 @@ class GGUFLinearMethod(LinearMethod):
             layer.qweight.data = qweight.contiguous()
             layer.qweight_type.data = torch.tensor(int(qtype))
             self.qtype, self.qtype_id, self.row_bytes = qtype, int(qtype), layer.qweight.shape[1]
-            self.kernel = cpu_ops.load().gguf_matmul
+            self.qweight_ptr = layer.qweight.data_ptr()
+            self.kernel = kernel()
         else:
             logger.info(
                 "%s: GGUF %s weights dequantized to float32 at load",
@@ -123,14 +127,12 @@ class GGUFLinearMethod(LinearMethod):
             t = x.shape[0]
             x = x.contiguous()
             y = x.new_empty(t, self.output_size)
-            self.kernel(self.qtype_id, layer.qweight.data_ptr(), self.row_bytes, x.data_ptr(), t,
+            self.kernel(self.qtype_id, self.qweight_ptr, self.row_bytes, x.data_ptr(), t,
                         self.input_size, y.data_ptr(), self.output_size, torch.get_num_threads())
             return y if bias is None else y.add_(bias)
         x2 = x.reshape(-1, self.input_size)
         if x2.shape[0] <= GEMV_MAX_ROWS:
-            y = matmul(self.qtype, layer.qweight, x2.contiguous(), self.output_size)
-            if bias is not None:
-                y += bias
+            y = self.apply(layer, x2, bias)
         else:
             y = F.linear(x2, dequantize(self.qtype, layer.qweight, self.output_size, self.input_size), bias)
         return y.reshape(*x.shape[:-1], self.output_size)
@@ -141,12 +143,19 @@ def _dequantize_numpy(part: dict[str, torch.Tensor]) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32))
 
 
+def kernel():
+    """The C product of GGUF blocks with float32 activations that ``TOKENMILL_GGUF_FLOAT_ACTIVATIONS``
+    chooses (``gguf_matmul_q8`` unless set)."""
+    lib = cpu_ops.load()
+    return lib.gguf_matmul if envs.TOKENMILL_GGUF_FLOAT_ACTIVATIONS else lib.gguf_matmul_q8
+
+
 def matmul(qtype: Q, qweight: torch.Tensor, x: torch.Tensor, n: int) -> torch.Tensor:
     """``x`` [T, K] (contiguous float32) times the transposed [n, K] weights of ``qweight``, by
-    the C kernel."""
+    the C :func:`kernel`."""
     t, k = x.shape
     y = x.new_empty(t, n)
-    cpu_ops.load().gguf_matmul(
+    kernel()(
         int(qtype), qweight.data_ptr(), qweight.shape[1], x.data_ptr(), t, k, y.data_ptr(), n,
         torch.get_num_threads(),
     )
