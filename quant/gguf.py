@@ -66,11 +66,7 @@ class GGUFLinearMethod(LinearMethod):
         self.dense: torch.Tensor | None = None
 
     def create_weights(
-        self,
-        layer: nn.Module,
-        input_size: int,
-        output_partition_sizes: list[int],
-        params_dtype: torch.dtype,
+        self, layer: nn.Module, input_size: int, output_partition_sizes: list[int], params_dtype: torch.dtype
     ) -> None:
         self.input_size = input_size
         self.output_size = sum(output_partition_sizes)
