@@ -1,7 +1,7 @@
 """The default model's own GGUF file (Q4_1 layers, Q8_0 embedding and tied head) loaded by the
-gguf method: its logits against HF transformers on the float weights the same blocks
-dequantize to, its teacher-forced tokens against llama.cpp's on the same file, and the errors
-for what it cannot load."""
+gguf method: its logits with float32 activations against HF transformers on the float weights
+the same blocks dequantize to, its teacher-forced tokens with int8 activation blocks (the
+default) against llama.cpp's on the same file, and the errors for what it cannot load."""
 
 from __future__ import annotations
 
