@@ -7,9 +7,10 @@ Q4_0, Q4_1 and Q8_0 weights stay blocks in memory. Up to :data:`GEMV_MAX_ROWS` a
 int8 blocks of 32 (a float scale each) and every block pair's dot product summed in int32; with
 ``TOKENMILL_GGUF_FLOAT_ACTIVATIONS=1`` one that widens each weight block to float32 in registers
 and multiplies the float32 activations (the float product with the dequantized weights). More
-rows (prefill) dequantize the matrix into a reused float32 buffer and run one float GEMM. Weights stored as F32/F16, of another GGUF type, or of mixed types
-within one fused layer are dequantized to float32 once at load (logged). The token embedding is
-dequantized to float32 once at load; the LM head multiplies with its blocks.
+rows (prefill) dequantize the matrix into a reused float32 buffer and run one float GEMM.
+Weights stored as F32/F16, of another GGUF type, or of mixed types within one fused layer are
+dequantized to float32 once at load (logged). The token embedding is dequantized to float32 once
+at load; the LM head multiplies with its blocks.
 
 The GGUF weight iterator (``tokenmill.model_loader.gguf_file``) hands each linear weight over as
 two checkpoint entries, ``<layer>.qweight_type`` (the GGML type) and ``<layer>.qweight``
@@ -19,6 +20,7 @@ two checkpoint entries, ``<layer>.qweight_type`` (the GGML type) and ``<layer>.q
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import gguf
@@ -101,7 +103,6 @@ class GGUFLinearMethod(LinearMethod):
             layer.qweight.data = qweight.contiguous()
             layer.qweight_type.data = torch.tensor(int(qtype))
             self.qtype, self.qtype_id, self.row_bytes = qtype, int(qtype), layer.qweight.shape[1]
-            self.qweight_ptr = layer.qweight.data_ptr()
             self.kernel = kernel()
         else:
             logger.info(
@@ -123,7 +124,7 @@ class GGUFLinearMethod(LinearMethod):
             t = x.shape[0]
             x = x.contiguous()
             y = x.new_empty(t, self.output_size)
-            self.kernel(self.qtype_id, self.qweight_ptr, self.row_bytes, x.data_ptr(), t,
+            self.kernel(self.qtype_id, layer.qweight.data_ptr(), self.row_bytes, x.data_ptr(), t,
                         self.input_size, y.data_ptr(), self.output_size, torch.get_num_threads())
             return y if bias is None else y.add_(bias)
         x2 = x.reshape(-1, self.input_size)
@@ -139,9 +140,10 @@ def _dequantize_numpy(part: dict[str, torch.Tensor]) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32))
 
 
-def kernel():
-    """The C product of GGUF blocks with float32 activations that ``TOKENMILL_GGUF_FLOAT_ACTIVATIONS``
-    chooses (``gguf_matmul_q8`` unless set)."""
+def kernel() -> Callable[..., None]:
+    """The C product of GGUF blocks and float32 input rows: ``gguf_matmul`` (float32
+    activations) when ``TOKENMILL_GGUF_FLOAT_ACTIVATIONS`` is set, else ``gguf_matmul_q8``
+    (activations rounded to int8 blocks)."""
     lib = cpu_ops.load()
     return lib.gguf_matmul if envs.TOKENMILL_GGUF_FLOAT_ACTIVATIONS else lib.gguf_matmul_q8
 
