@@ -2,7 +2,8 @@
 Q4_1 blocks), llama.cpp (llama-cpp-python) on the same file, and tokenmill float32.
 
 One request at a time: a 256-token prompt, then 128 greedy tokens (EOS ignored). Each engine
-runs in its own process with the same thread count, takes a warm-up request, then ``--runs``
+runs in its own process with the same thread count (``--repeats`` times, the order reversed
+every other time), takes a warm-up request, then ``--runs``
 timed requests, each with a different prompt (no prefix-cache hits on either side). Reports
 the median end-to-end time and output tokens/s, the prefill time (a 1-token request on one more
 prompt) and the decode rate (127 tokens over the end-to-end time minus the prefill), and each
@@ -11,7 +12,7 @@ engine's speed relative to llama.cpp.
 llama-cpp-python is not a tokenmill dependency; point ``--llamacpp-python`` at a Python that
 has it (without it that row is left out):
 
-    python benchmarks/quant_vs_llamacpp.py --llamacpp-python /path/to/llama-venv/bin/python
+    python benchmarks/quant_vs_llamacpp.py --llamacpp-python /path/to/llama-venv/bin/python --repeats 4
 """
 
 from __future__ import annotations
@@ -91,6 +92,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=1, help="runs of every engine, in alternating order")
     parser.add_argument("--llamacpp-python", default=None, help="a Python with llama-cpp-python")
     parser.add_argument("--engines", default="gguf,llamacpp,float32")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -100,37 +102,43 @@ def main() -> None:
         child(args)
         return
 
-    from tokenmill.default_model import gguf_path
-
     # warm-up, the prefill-only request, then the timed ones
     requests = prompts(args.runs + 2)
     env = dict(os.environ, TOKENMILL_CPU_THREADS=str(args.threads), OMP_NUM_THREADS=str(args.threads))
-    results = {}
-    for engine in args.engines.split(","):
-        python = sys.executable
-        if engine == "llamacpp":
-            if args.llamacpp_python is None:
-                print("llamacpp: left out (no --llamacpp-python)")
-                continue
-            python = args.llamacpp_python
-        cmd = [python, __file__, "--child", engine, "--gguf", str(gguf_path()), "--threads", str(args.threads)]
-        proc = subprocess.run(cmd, input=json.dumps(requests), capture_output=True, text=True, env=env)
-        if proc.returncode != 0:
-            sys.exit(f"{engine} failed:\n{proc.stderr}")
-        times = json.loads(proc.stdout.strip().splitlines()[-1])
-        e2e, prefill = statistics.median(times[2:]), times[1]
-        results[engine] = (e2e, prefill)
+    engines = args.engines.split(",")
+    if "llamacpp" in engines and args.llamacpp_python is None:
+        print("llamacpp: left out (no --llamacpp-python)")
+        engines.remove("llamacpp")
+    for repeat in range(args.repeats):
+        # Alternate the order, so neither engine always runs first on a busy machine.
+        order = engines if repeat % 2 == 0 else engines[::-1]
+        results = {engine: run_child(engine, args, requests, env) for engine in order}
+        report(results, args, repeat)
 
+
+def run_child(engine: str, args: argparse.Namespace, requests: list[list[int]], env: dict) -> tuple[float, float]:
+    """(median end-to-end time, prefill time) of ``engine`` in its own process."""
+    from tokenmill.default_model import gguf_path
+
+    python = args.llamacpp_python if engine == "llamacpp" else sys.executable
+    cmd = [python, __file__, "--child", engine, "--gguf", str(gguf_path()), "--threads", str(args.threads)]
+    proc = subprocess.run(cmd, input=json.dumps(requests), capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        sys.exit(f"{engine} failed:\n{proc.stderr}")
+    times = json.loads(proc.stdout.strip().splitlines()[-1])
+    return statistics.median(times[2:]), times[1]
+
+
+def report(results: dict[str, tuple[float, float]], args: argparse.Namespace, repeat: int) -> None:
     base = results.get("llamacpp", (None,))[0]
     load = os.getloadavg()[0]
     print(f"single stream, {PROMPT_LEN}-token prompt + {OUTPUT_LEN} greedy tokens, {args.threads} threads, "
-          f"median of {args.runs}, load {load:.2f}")
+          f"median of {args.runs}, repeat {repeat + 1} of {args.repeats}, load {load:.2f}")
     print(f"{'engine':10} {'e2e s':>7} {'tok/s':>7} {'prefill s':>10} {'decode tok/s':>13} {'vs llama.cpp':>13}")
     for engine, (e2e, prefill) in results.items():
         ratio = f"{base / e2e:.2f}x" if base else "-"
         decode = (OUTPUT_LEN - 1) / (e2e - prefill)
-        print(f"{engine:10} {e2e:7.3f} {OUTPUT_LEN / e2e:7.1f} {prefill:10.3f} {decode:13.1f} {ratio:>13}")
-
+        print(f"{engine:10} {e2e:7.3f} {OUTPUT_LEN / e2e:7.1f} {prefill:10.3f} {decode:13.1f} {ratio:>13}", flush=True)
 
 if __name__ == "__main__":
     main()

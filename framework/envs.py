@@ -109,6 +109,12 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
     "TOKENMILL_DISABLE_CPU_KERNELS": EnvVar(
         "bool", False, "use torch ops instead of the C kernels compiled on first use"
     ),
+    "TOKENMILL_GGUF_FLOAT_ACTIVATIONS": EnvVar(
+        "bool",
+        False,
+        "GGUF weight blocks multiply float32 activations (the float product with the "
+        "dequantized weights) instead of activations quantized to int8 blocks as llama.cpp does",
+    ),
     "TOKENMILL_LOGGING_LEVEL": EnvVar(
         "str", "INFO", "level of the tokenmill logger: DEBUG, INFO, WARNING, ERROR or CRITICAL"
     ),

@@ -71,14 +71,7 @@ class QuantizedLinearMethod(LinearMethod):
 class OnlineQuantizedLinearMethod(QuantizedLinearMethod):
     """Loads a float checkpoint like an unquantized layer, then quantizes it in place."""
 
-    def create_weights(
-        self,
-        layer: nn.Module,
-        input_size: int,
-        output_partition_sizes: list[int],
-        params_dtype: torch.dtype,
-    ) -> None:
-        UnquantizedLinearMethod().create_weights(layer, input_size, output_partition_sizes, params_dtype)
+    create_weights = UnquantizedLinearMethod.create_weights
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         weight = layer.weight.detach().float()

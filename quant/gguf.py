@@ -3,11 +3,14 @@ stored and multiply with them directly (``LLM(model="file.gguf")``, or the defau
 ``quantization="gguf"``).
 
 Q4_0, Q4_1 and Q8_0 weights stay blocks in memory. Up to :data:`GEMV_MAX_ROWS` activation rows
-(decode) go through the C kernel that widens each block to float32 in registers and multiplies
-with the float32 activations; more rows (prefill) dequantize the matrix into a reused float32
-buffer and run one float GEMM. Weights stored as F32/F16, of another GGUF type, or of mixed types
-within one fused layer are dequantized to float32 once at load (logged). The token embedding is
-dequantized to float32 once at load; the LM head multiplies with its blocks.
+(decode) go through a C kernel: by default llama.cpp's product, each activation row quantized to
+int8 blocks of 32 (a float scale each) and every block pair's dot product summed in int32; with
+``TOKENMILL_GGUF_FLOAT_ACTIVATIONS=1`` one that widens each weight block to float32 in registers
+and multiplies the float32 activations (the float product with the dequantized weights). More
+rows (prefill) dequantize the matrix into a reused float32 buffer and run one float GEMM.
+Weights stored as F32/F16, of another GGUF type, or of mixed types within one fused layer are
+dequantized to float32 once at load (logged). The token embedding is dequantized to float32 once
+at load; the LM head multiplies with its blocks.
 
 The GGUF weight iterator (``tokenmill.model_loader.gguf_file``) hands each linear weight over as
 two checkpoint entries, ``<layer>.qweight_type`` (the GGML type) and ``<layer>.qweight``
@@ -17,6 +20,7 @@ two checkpoint entries, ``<layer>.qweight_type`` (the GGML type) and ``<layer>.q
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import gguf
@@ -25,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill import envs
 from tokenmill.interfaces.quantization import LinearMethod, QuantizationMethod
 from tokenmill.ops import cpu as cpu_ops
 
@@ -63,11 +68,7 @@ class GGUFLinearMethod(LinearMethod):
         self.dense: torch.Tensor | None = None
 
     def create_weights(
-        self,
-        layer: nn.Module,
-        input_size: int,
-        output_partition_sizes: list[int],
-        params_dtype: torch.dtype,
+        self, layer: nn.Module, input_size: int, output_partition_sizes: list[int], params_dtype: torch.dtype
     ) -> None:
         self.input_size = input_size
         self.output_size = sum(output_partition_sizes)
@@ -102,7 +103,7 @@ class GGUFLinearMethod(LinearMethod):
             layer.qweight.data = qweight.contiguous()
             layer.qweight_type.data = torch.tensor(int(qtype))
             self.qtype, self.qtype_id, self.row_bytes = qtype, int(qtype), layer.qweight.shape[1]
-            self.kernel = cpu_ops.load().gguf_matmul
+            self.kernel = kernel()
         else:
             logger.info(
                 "%s: GGUF %s weights dequantized to float32 at load",
@@ -128,9 +129,7 @@ class GGUFLinearMethod(LinearMethod):
             return y if bias is None else y.add_(bias)
         x2 = x.reshape(-1, self.input_size)
         if x2.shape[0] <= GEMV_MAX_ROWS:
-            y = matmul(self.qtype, layer.qweight, x2.contiguous(), self.output_size)
-            if bias is not None:
-                y += bias
+            y = self.apply(layer, x2, bias)
         else:
             y = F.linear(x2, dequantize(self.qtype, layer.qweight, self.output_size, self.input_size), bias)
         return y.reshape(*x.shape[:-1], self.output_size)
@@ -141,12 +140,20 @@ def _dequantize_numpy(part: dict[str, torch.Tensor]) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32))
 
 
+def kernel() -> Callable[..., None]:
+    """The C product of GGUF blocks and float32 input rows: ``gguf_matmul`` (float32
+    activations) when ``TOKENMILL_GGUF_FLOAT_ACTIVATIONS`` is set, else ``gguf_matmul_q8``
+    (activations rounded to int8 blocks)."""
+    lib = cpu_ops.load()
+    return lib.gguf_matmul if envs.TOKENMILL_GGUF_FLOAT_ACTIVATIONS else lib.gguf_matmul_q8
+
+
 def matmul(qtype: Q, qweight: torch.Tensor, x: torch.Tensor, n: int) -> torch.Tensor:
     """``x`` [T, K] (contiguous float32) times the transposed [n, K] weights of ``qweight``, by
-    the C kernel."""
+    the C :func:`kernel`."""
     t, k = x.shape
     y = x.new_empty(t, n)
-    cpu_ops.load().gguf_matmul(
+    kernel()(
         int(qtype), qweight.data_ptr(), qweight.shape[1], x.data_ptr(), t, k, y.data_ptr(), n,
         torch.get_num_threads(),
     )

@@ -1,5 +1,7 @@
 """The GGUF block kernels and the gguf linear method against a dequantize-then-matmul reference
-(the ``gguf`` package's dequantizer and a float64 torch matmul)."""
+(the ``gguf`` package's dequantizer and a float64 torch matmul): with float32 activations
+(``TOKENMILL_GGUF_FLOAT_ACTIVATIONS=1``) on the activations as given, by default on the
+activations rounded to int8 blocks as llama.cpp rounds them."""
 
 from __future__ import annotations
 
@@ -38,6 +40,25 @@ def reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (x.double() @ w.double().T).float()
 
 
+def q8_rounded(x: torch.Tensor) -> torch.Tensor:
+    """``x`` [T, K] with each block of 32 rounded to int8 codes times ``max|block| / 127``."""
+    blocks = x.view(x.shape[0], -1, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    return (torch.round(blocks * inv) * d).view_as(x)
+
+
+@pytest.fixture(params=["q8", "float32"])
+def activations(request, monkeypatch) -> str:
+    """Each product: activations quantized to int8 blocks (the default) or float32."""
+    monkeypatch.setenv("TOKENMILL_GGUF_FLOAT_ACTIVATIONS", str(int(request.param == "float32")))
+    return request.param
+
+
+def activation_reference(activations: str, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return reference(q8_rounded(x) if activations == "q8" else x, w)
+
+
 @pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("n,k", [(1, 32), (7, 96), (33, 576), (130, 1536)])
 def test_dequantize_equals_gguf(qtype, n, k):
@@ -49,11 +70,26 @@ def test_dequantize_equals_gguf(qtype, n, k):
 @pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("t", [1, 2, 3, 4, 5, 8, 13])
 @pytest.mark.parametrize("n,k", [(1, 32), (7, 96), (67, 576), (193, 1536)])
-def test_matmul_equals_dequantized_reference(qtype, t, n, k):
+def test_matmul_equals_dequantized_reference(activations, qtype, t, n, k):
     q, w = blocks(n, k, qtype, seed=3 * n + k + t)
     x = torch.randn(t, k, generator=torch.Generator().manual_seed(t))
+    x[0, :32] = 0  # a zero block: scale 0, codes 0
     y = gguf_method.matmul(qtype, q, x, n)
-    torch.testing.assert_close(y, reference(x, w), atol=2e-4 * k**0.5, rtol=1e-4)
+    torch.testing.assert_close(y, activation_reference(activations, x, w), atol=2e-4 * k**0.5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("sign", [1, -1])
+def test_q8_extreme_codes_do_not_saturate(activations, sign):
+    """Q8_0 codes -128 and 127 against activation codes of +-127: the int16 pair sums of the
+    integer product are at their largest."""
+    d = np.array([0.5], dtype=np.float16).view(np.uint8)
+    codes = np.array([-128, 127] * 16, dtype=np.int8).view(np.uint8)
+    q = torch.from_numpy(np.tile(np.concatenate([d, codes]), (3, 2)))
+    w = torch.from_numpy(dequantize(q.numpy(), Q.Q8_0).astype(np.float32))
+    x = sign * torch.tensor([[-1.0, 1.0] * 32])
+    y = gguf_method.matmul(Q.Q8_0, q, x, 3)
+    torch.testing.assert_close(y, activation_reference(activations, x, w))
+    assert y[0, 0].item() == sign * 0.5 * 255 * 32
 
 
 def build(layer_cls, *args, **kwargs):
@@ -71,7 +107,7 @@ def load(layer, shards: dict) -> None:
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 40])
-def test_fused_layer_keeps_blocks_and_matches(rows):
+def test_fused_layer_keeps_blocks_and_matches(activations, rows):
     """Decode-sized batches take the block kernel, larger ones the dequantized GEMM; both equal
     the reference on the fused gate/up rows."""
     layer = build(MergedColumnParallelLinear, 96, [40, 24], bias=False, prefix="mlp.gate_up_proj")
@@ -82,7 +118,9 @@ def test_fused_layer_keeps_blocks_and_matches(rows):
     x = torch.randn(2, rows, 96)
     out = layer(x)
     assert out.shape == (2, rows, 64)
-    torch.testing.assert_close(out, reference(x, torch.cat([w0, w1])), atol=1e-3, rtol=1e-4)
+    w = torch.cat([w0, w1])
+    expected = activation_reference(activations, x.view(-1, 96), w) if 2 * rows <= gguf_method.GEMV_MAX_ROWS else reference(x, w)
+    torch.testing.assert_close(out.view(-1, 64), expected.view(-1, 64), atol=1e-3, rtol=1e-4)
 
 
 def test_mixed_or_unsupported_types_are_dequantized_once(caplog):

@@ -1,7 +1,7 @@
 """The default model's own GGUF file (Q4_1 layers, Q8_0 embedding and tied head) loaded by the
-gguf method: its logits against HF transformers on the float weights the same blocks
-dequantize to, its teacher-forced tokens against llama.cpp's on the same file, and the errors
-for what it cannot load."""
+gguf method: its logits with float32 activations against HF transformers on the float weights
+the same blocks dequantize to, its teacher-forced tokens with int8 activation blocks (the
+default) against llama.cpp's on the same file, and the errors for what it cannot load."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import torch
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import EngineConfig
 from tokenmill.default_model import gguf_path
+from tokenmill.quant.gguf import GEMV_MAX_ROWS
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at"]
 LLAMACPP_FIXTURE = Path(__file__).parent / "gguf_llamacpp_tokens.json"
@@ -21,7 +22,14 @@ LLAMACPP_FIXTURE = Path(__file__).parent / "gguf_llamacpp_tokens.json"
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM(quantization="gguf", kv_cache_memory_bytes=64 << 20, max_model_len=512)
+    """Steps of at most GEMV_MAX_ROWS tokens, so every product, prompts' too, is the block
+    kernel's (with activations in int8 blocks)."""
+    return LLM(
+        quantization="gguf",
+        kv_cache_memory_bytes=64 << 20,
+        max_model_len=512,
+        max_num_batched_tokens=GEMV_MAX_ROWS,
+    )
 
 
 def model_of(llm: LLM) -> torch.nn.Module:
@@ -39,9 +47,13 @@ def test_blocks_are_kept_as_stored(llm):
     assert linear_bytes == linear_weights * 4 * 20 // 128  # 5 bits a weight: 5/32 of float32
 
 
-def test_logits_equal_float_reference(llm, hf_default_model):
-    """Every sampled position's logits, prefill and decode, against HF on the dequantized
-    weights (the default model's float conversion of this file) within 1e-3."""
+def test_logits_equal_float_reference(hf_default_model, monkeypatch):
+    """With float32 activations (``TOKENMILL_GGUF_FLOAT_ACTIVATIONS=1``; by default they are
+    rounded to int8 blocks as llama.cpp does, which the llama.cpp test below covers), every
+    sampled position's logits, prefill and decode, against HF on the dequantized weights (the
+    default model's float conversion of this file) within 1e-3."""
+    monkeypatch.setenv("TOKENMILL_GGUF_FLOAT_ACTIVATIONS", "1")
+    llm = LLM(quantization="gguf", kv_cache_memory_bytes=64 << 20, max_model_len=512)
     model = model_of(llm)
     recorded: list[torch.Tensor] = []
     compute_logits = model.compute_logits
@@ -52,19 +64,16 @@ def test_logits_equal_float_reference(llm, hf_default_model):
         return logits
 
     model.compute_logits = recording
-    try:
-        for prompt in PROMPTS:
-            recorded.clear()
-            out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)[0]
-            ids = out.prompt_token_ids + out.outputs[0].token_ids
-            with torch.no_grad():
-                ref = hf_default_model(input_ids=torch.tensor([ids])).logits[0].float()
-            n = len(out.prompt_token_ids)
-            ours = torch.cat(recorded)
-            assert ours.shape == (6, 49152)
-            torch.testing.assert_close(ours, ref[n - 1 : n + 5], atol=1e-3, rtol=0)
-    finally:
-        del model.compute_logits
+    for prompt in PROMPTS:
+        recorded.clear()
+        out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)[0]
+        ids = out.prompt_token_ids + out.outputs[0].token_ids
+        with torch.no_grad():
+            ref = hf_default_model(input_ids=torch.tensor([ids])).logits[0].float()
+        n = len(out.prompt_token_ids)
+        ours = torch.cat(recorded)
+        assert ours.shape == (6, 49152)
+        torch.testing.assert_close(ours, ref[n - 1 : n + 5], atol=1e-3, rtol=0)
 
 
 def test_model_file_path_loads_with_gguf(tmp_path):
@@ -84,7 +93,8 @@ def test_model_file_path_loads_with_gguf(tmp_path):
 
 def test_teacher_forced_tokens_agree_with_llamacpp(llm):
     """At >= 95 % of positions the argmax equals llama.cpp's on the same file and tokens
-    (``benchmarks/gguf_llamacpp_tokens.py`` computed llama.cpp's with llama-cpp-python)."""
+    (``benchmarks/gguf_llamacpp_tokens.py`` computed llama.cpp's with llama-cpp-python), the
+    prompts run through the block kernel as decode steps do."""
     fixture = json.loads(LLAMACPP_FIXTURE.read_text())
     assert fixture["gguf"] == gguf_path().name
     params = SamplingParams(max_tokens=1, prompt_logprobs=1)

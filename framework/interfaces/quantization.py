@@ -14,11 +14,7 @@ class LinearMethod(ABC):
 
     @abstractmethod
     def create_weights(
-        self,
-        layer: nn.Module,
-        input_size: int,
-        output_partition_sizes: list[int],
-        params_dtype: torch.dtype,
+        self, layer: nn.Module, input_size: int, output_partition_sizes: list[int], params_dtype: torch.dtype
     ) -> None:
         """Register parameters on ``layer``. ``output_partition_sizes`` lists the (fused)
         output shards this rank holds; each parameter gets a ``weight_loader`` attribute when it

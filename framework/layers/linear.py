@@ -70,11 +70,7 @@ class UnquantizedLinearMethod(LinearMethod):
         return current_ops().get("unquantized_linear", UnquantizedLinearMethod)()
 
     def create_weights(
-        self,
-        layer: nn.Module,
-        input_size: int,
-        output_partition_sizes: list[int],
-        params_dtype: torch.dtype,
+        self, layer: nn.Module, input_size: int, output_partition_sizes: list[int], params_dtype: torch.dtype
     ) -> None:
         weight = nn.Parameter(
             torch.empty(sum(output_partition_sizes), input_size, dtype=params_dtype),

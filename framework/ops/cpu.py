@@ -51,6 +51,7 @@ SIGNATURES = {
     "silu_and_mul": [_PTR, _PTR, _I64, _I64, _INT],
     "rotary_embedding": [_PTR, _PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _INT, _INT],
     "gguf_matmul": [_INT, _PTR, _I64, _PTR, _I64, _I64, _PTR, _I64, _INT],
+    "gguf_matmul_q8": [_INT, _PTR, _I64, _PTR, _I64, _I64, _PTR, _I64, _INT],
     "gguf_dequantize": [_INT, _PTR, _I64, _I64, _I64, _PTR, _INT],
     "int8_linear": [_PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _INT],
     "int8_dequantize": [_PTR, _PTR, _PTR, _I64, _I64, _INT],

@@ -18,17 +18,22 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+def _linear(kernel: str, x: torch.Tensor, n: int, *args: int | None, extra: tuple[int, ...] = ()) -> torch.Tensor:
+    """The [M, n] output of the C ``kernel``, called as ``kernel(out, *args, M, n, K, *extra,
+    threads)`` for ``x`` [M, K]."""
+    m, k = x.shape
+    out = x.new_empty(m, n)
+    getattr(load(), kernel)(out.data_ptr(), *args, m, n, k, *extra, torch.get_num_threads())
+    return out
+
+
 def int8_linear(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
     """``x @ (weight * scale[:, None]).T + bias`` for int8 ``weight`` [N, K], float ``scale`` [N]."""
-    (m, k), n = x.shape, weight.shape[0]
-    out = x.new_empty(m, n)
-    load().int8_linear(
-        out.data_ptr(), x.data_ptr(), x.stride(0), weight.data_ptr(), scale.data_ptr(),
-        _ptr(bias), m, n, k, torch.get_num_threads(),
+    return _linear(
+        "int8_linear", x, weight.shape[0], x.data_ptr(), x.stride(0), weight.data_ptr(), scale.data_ptr(), _ptr(bias)
     )
-    return out
 
 
 def _out(out: torch.Tensor | None, n: int, k: int) -> torch.Tensor:
@@ -55,13 +60,10 @@ def int4_linear(
 ) -> torch.Tensor:
     """``x @ W.T + bias`` for a group-wise int4 weight: ``packed`` uint8 [N, K/2] (see
     ``tokenmill.quant.int4.pack``), ``scale`` and ``minimum`` float [N, K/group]."""
-    (m, k), n = x.shape, packed.shape[0]
-    out = x.new_empty(m, n)
-    load().int4_linear(
-        out.data_ptr(), x.data_ptr(), x.stride(0), packed.data_ptr(), scale.data_ptr(),
-        minimum.data_ptr(), _ptr(bias), m, n, k, k // scale.shape[1], torch.get_num_threads(),
+    return _linear(
+        "int4_linear", x, packed.shape[0], x.data_ptr(), x.stride(0), packed.data_ptr(), scale.data_ptr(),
+        minimum.data_ptr(), _ptr(bias), extra=(x.shape[1] // scale.shape[1],),
     )
-    return out
 
 
 def int4_dequantize(
@@ -93,26 +95,19 @@ def w8a8_linear(
     """``x`` quantized per row to int8, times int8 ``weight`` [N, K] in int32, rescaled by both
     scales, plus ``bias``."""
     xq, xscale = quantize_rows_int8(x)
-    (m, k), n = x.shape, weight.shape[0]
-    out = x.new_empty(m, n)
-    load().w8a8_linear(
-        out.data_ptr(), xq.data_ptr(), xscale.data_ptr(), weight.data_ptr(), scale.data_ptr(),
-        _ptr(bias), m, n, k, torch.get_num_threads(),
+    return _linear(
+        "w8a8_linear", x, weight.shape[0], xq.data_ptr(), xscale.data_ptr(), weight.data_ptr(), scale.data_ptr(),
+        _ptr(bias),
     )
-    return out
 
 
 def fp8_linear(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
     """``x @ (weight.float() * scale[:, None]).T + bias`` for float8_e4m3fn ``weight`` [N, K]."""
-    (m, k), n = x.shape, weight.shape[0]
-    out = x.new_empty(m, n)
-    load().fp8_linear(
-        out.data_ptr(), x.data_ptr(), x.stride(0), weight.data_ptr(), scale.data_ptr(),
-        _ptr(bias), m, n, k, torch.get_num_threads(),
+    return _linear(
+        "fp8_linear", x, weight.shape[0], x.data_ptr(), x.stride(0), weight.data_ptr(), scale.data_ptr(), _ptr(bias)
     )
-    return out
 
 
 def fp8_dequantize(weight: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

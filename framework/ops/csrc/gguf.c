@@ -5,10 +5,16 @@
      Q4_1: 20 bytes, w = q * d + m, nibbles as Q4_0
      Q8_0: 34 bytes, w = q * d, q int8
 
-   A weight matrix is [N, row_bytes]: row o holds output o's K / 32 blocks. Each block is
-   widened to float32 in registers and multiplied with float32 activations (fp32 FMA), so the
-   result is the float product with the dequantized weights, up to the order of the sums.
-   Output rows in parallel. */
+   A weight matrix is [N, row_bytes]: row o holds output o's K / 32 blocks. Output rows in
+   parallel. Two products:
+   - gguf_matmul: each block widened to float32 in registers and multiplied with float32
+     activations (fp32 FMA), so the result is the float product with the dequantized weights, up
+     to the order of the sums;
+   - gguf_matmul_q8: llama.cpp's: each activation row first quantized to blocks of 32 int8 codes
+     (quantize_q8), then every block's integer dot product summed in int32 (AVX2 maddubs)
+     and scaled by both blocks' scales. */
+#include <math.h>
+#include <stdlib.h>
 #include "vec.h"
 #if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
@@ -158,4 +164,142 @@ void gguf_dequantize(int type, const uint8_t *w, int64_t row_bytes, int64_t N, i
             default: dequantize_row(GGUF_Q8_0, w + o * row_bytes, K, out + o * K); break;
         }
     }
+}
+
+/* Activation rows as llama.cpp quantizes them for these products: per block of 32, the scale
+   d = max|x| / 127, codes q = round(x / d) (to nearest even, via x * (1 / d); all 0 for a zero
+   block) and s = d * sum(q), the block sum the Q4_1 offsets and the Q4_0 shift multiply. */
+static void quantize_q8(const float *x, int64_t nblocks, int8_t *q, float *d, float *s) {
+    for (int64_t b = 0; b < nblocks; ++b) {
+        const float *xb = x + b * QK;
+        v8 amax = {0};
+        for (int k = 0; k < QK; k += 8) {
+            const v8 v = loadv(xb + k);
+            amax = vmax(amax, vmax(v, -v));
+        }
+        float m = 0.f;
+        for (int j = 0; j < 8; ++j) m = m > amax[j] ? m : amax[j];
+        const float db = m / 127.f, id = m > 0.f ? 1.f / db : 0.f;
+        int sum = 0;
+        for (int j = 0; j < QK; ++j) {
+            const int c = (int)nearbyintf(xb[j] * id);
+            q[b * QK + j] = (int8_t)c;
+            sum += c;
+        }
+        d[b] = db;
+        s[b] = db * (float)sum;
+    }
+}
+
+/* One weight block's codes as 32 bytes, code j at byte j: Q4_1's unsigned nibbles, Q4_0's
+   nibbles minus 8 and Q8_0's int8. */
+#if defined(__AVX2__)
+typedef __m256i codes;
+#else
+typedef struct { int8_t v[QK]; } codes;
+#endif
+
+#if defined(__AVX2__)
+static inline codes block_codes(int type, const uint8_t *b) {
+    if (type == GGUF_Q8_0) return _mm256_loadu_si256((const __m256i *)(b + 2));
+    const __m128i q = _mm_loadu_si128((const __m128i *)(b + (type == GGUF_Q4_1 ? 4 : 2)));
+    const __m256i n = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), _mm256_set1_epi8(0x0f));
+    return type == GGUF_Q4_0 ? _mm256_sub_epi8(n, _mm256_set1_epi8(8)) : n;
+}
+
+/* The eight int32 partial sums of w . x as floats; Q4_1's w are in [0, 15], so maddubs takes
+   them as the unsigned operand directly, signed w lend x their sign and give maddubs |w| (no
+   pair of products exceeds 2 * 128 * 127, so nothing saturates). */
+static inline v8 block_dot(int type, codes w, const int8_t *xq) {
+    __m256i x = _mm256_loadu_si256((const __m256i *)xq);
+    if (type != GGUF_Q4_1) {
+        x = _mm256_sign_epi8(x, w);
+        w = _mm256_sign_epi8(w, w);
+    }
+    return (v8)_mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
+}
+#else
+static inline codes block_codes(int type, const uint8_t *b) {
+    codes c;
+    if (type == GGUF_Q8_0) {
+        memcpy(c.v, b + 2, QK);
+        return c;
+    }
+    const uint8_t *qs = b + (type == GGUF_Q4_1 ? 4 : 2);
+    const int off = type == GGUF_Q4_0 ? 8 : 0;
+    for (int j = 0; j < 16; ++j) {
+        c.v[j] = (int8_t)((qs[j] & 0x0f) - off);
+        c.v[j + 16] = (int8_t)((qs[j] >> 4) - off);
+    }
+    return c;
+}
+
+static inline v8 block_dot(int type, codes w, const int8_t *xq) {
+    (void)type;
+    int32_t s = 0;
+    for (int j = 0; j < QK; ++j) s += (int32_t)w.v[j] * xq[j];
+    return (v8){(float)s};
+}
+#endif
+
+/* y[t * ldy] = sum over blocks of d_w * d_x * (w . x) (+ m_w * s_x for Q4_1; Q4_0's shift is in
+   its codes) for nt (<= 8) quantized activation rows. */
+static inline __attribute__((always_inline)) void dot_rows_q8(
+    int type, const uint8_t *row, int64_t nb, const int8_t *xq, const float *xd, const float *xs,
+    int nt, float *y, int64_t ldy) {
+    const int64_t bb = block_bytes(type);
+    v8 acc[8] = {{0}};
+    float macc[8] = {0};
+    for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t *blk = row + b * bb;
+        const float d = f16_to_f32(blk);
+        const float m = type == GGUF_Q4_1 ? f16_to_f32(blk + 2) : 0.f;
+        const codes c = block_codes(type, blk);
+        for (int t = 0; t < nt; ++t) {
+            const int64_t i = t * nb + b;
+            acc[t] += block_dot(type, c, xq + i * QK) * (d * xd[i]);
+            if (type == GGUF_Q4_1) macc[t] += m * xs[i];
+        }
+    }
+    for (int t = 0; t < nt; ++t) y[t * ldy] = hsum(acc[t]) + macc[t];
+}
+
+static inline __attribute__((always_inline)) void matmul_row_q8(
+    int type, const uint8_t *row, int64_t T, int64_t nb, const int8_t *xq, const float *xd,
+    const float *xs, float *y, int64_t N) {
+    for (int64_t t0 = 0; t0 < T; t0 += 8) {
+        const int8_t *q = xq + t0 * nb * QK;
+        const float *d = xd + t0 * nb, *s = xs + t0 * nb;
+        float *yt = y + t0 * N;
+        switch (T - t0 >= 8 ? 8 : (int)(T - t0)) {
+            case 8: dot_rows_q8(type, row, nb, q, d, s, 8, yt, N); break;
+            case 7: dot_rows_q8(type, row, nb, q, d, s, 7, yt, N); break;
+            case 6: dot_rows_q8(type, row, nb, q, d, s, 6, yt, N); break;
+            case 5: dot_rows_q8(type, row, nb, q, d, s, 5, yt, N); break;
+            case 4: dot_rows_q8(type, row, nb, q, d, s, 4, yt, N); break;
+            case 3: dot_rows_q8(type, row, nb, q, d, s, 3, yt, N); break;
+            case 2: dot_rows_q8(type, row, nb, q, d, s, 2, yt, N); break;
+            default: dot_rows_q8(type, row, nb, q, d, s, 1, yt, N); break;
+        }
+    }
+}
+
+/* As gguf_matmul, with x quantized by quantize_q8 first and integer block products. */
+void gguf_matmul_q8(int type, const uint8_t *w, int64_t row_bytes, const float *x, int64_t T, int64_t K,
+                    float *y, int64_t N, int nthreads) {
+    const int64_t nb = K / QK;
+    int8_t *xq = malloc((size_t)(T * K));
+    float *xd = malloc(sizeof(float) * (size_t)(2 * T * nb + 1)), *xs = xd + T * nb;
+    quantize_q8(x, T * nb, xq, xd, xs);
+    #pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t o = 0; o < N; ++o) {
+        const uint8_t *row = w + o * row_bytes;
+        switch (type) {
+            case GGUF_Q4_0: matmul_row_q8(GGUF_Q4_0, row, T, nb, xq, xd, xs, y + o, N); break;
+            case GGUF_Q4_1: matmul_row_q8(GGUF_Q4_1, row, T, nb, xq, xd, xs, y + o, N); break;
+            default: matmul_row_q8(GGUF_Q8_0, row, T, nb, xq, xd, xs, y + o, N); break;
+        }
+    }
+    free(xq);
+    free(xd);
 }

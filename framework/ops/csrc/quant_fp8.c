@@ -1,7 +1,5 @@
 /* Linear layers on FP8 (e4m3fn) weights W [N, K] with one float scale per output row:
-   out = x W^T * scale + bias. Four weight rows at a time are widened to float in an L1 buffer
-   and multiplied by every input row (quant_tile.h); threads split the rows. */
-#include <stdlib.h>
+   out = x W^T * scale + bias, by quant_tile.h's tiled_linear. */
 #include "quant_tile.h"
 
 /* e4m3fn bits s.eeee.mmm (bias 7) to float: the exponent and mantissa bits moved into a
@@ -21,7 +19,9 @@ static inline float fp8_to_f32_1(uint8_t b) {
     return (b & 0x80) ? -r : r;
 }
 
-static void fp8_row(float *dst, const uint8_t *w, int64_t K) {
+/* Row n of an FP8 weight W [N, K] as floats (unscaled). */
+static void fp8_row(float *dst, const void *weights, int64_t n, int64_t K) {
+    const uint8_t *w = (const uint8_t *)weights + n * K;
     int64_t k = 0;
     for (; k + 8 <= K; k += 8) storev(dst + k, fp8_to_f32(w + k));
     for (; k < K; ++k) dst[k] = fp8_to_f32_1(w[k]);
@@ -30,28 +30,10 @@ static void fp8_row(float *dst, const uint8_t *w, int64_t K) {
 /* out [M, N] = x [M, K] (row stride ldx) W^T * scale[n] + bias[n] (bias may be NULL). */
 void fp8_linear(float *out, const float *x, int64_t ldx, const uint8_t *w, const float *scale,
                 const float *bias, int64_t M, int64_t N, int64_t K, int nthreads) {
-    #pragma omp parallel num_threads(nthreads)
-    {
-        float *wb = malloc(sizeof(float) * NR * K);
-        #pragma omp for schedule(static)
-        for (int64_t n0 = 0; n0 < N; n0 += NR) {
-            const int nr = N - n0 < NR ? (int)(N - n0) : NR;
-            for (int j = 0; j < NR; ++j) fp8_row(wb + j * K, w + (n0 + (j < nr ? j : 0)) * K, K);
-            rows_times_block(out, x, ldx, wb, nr, scale, bias, M, N, K, n0);
-        }
-        free(wb);
-    }
+    tiled_linear(out, x, ldx, fp8_row, w, scale, bias, M, N, K, nthreads);
 }
 
 /* out [N, K] = W * scale[n]. */
-void fp8_dequantize(float *out, const uint8_t *w, const float *scale, int64_t N, int64_t K,
-                    int nthreads) {
-    #pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t n = 0; n < N; ++n) {
-        float *o = out + n * K;
-        fp8_row(o, w + n * K, K);
-        int64_t k = 0;
-        for (; k + 8 <= K; k += 8) storev(o + k, loadv(o + k) * scale[n]);
-        for (; k < K; ++k) o[k] *= scale[n];
-    }
+void fp8_dequantize(float *out, const uint8_t *w, const float *scale, int64_t N, int64_t K, int nthreads) {
+    dequantize_rows(out, fp8_row, w, scale, N, K, nthreads);
 }

@@ -5,16 +5,15 @@
      nibble and column j + 16 in its high nibble;
    - w8a8: int8 weights times int8 activations quantized per row (dynamic, symmetric), summed
      in int32.
-   Weight-only kernels dequantize four weight rows at a time into a float buffer (a few KiB,
-   in L1) and multiply every input row by them, so each weight byte is read from memory once
-   per call; threads split the output rows. The dequantize kernels write the float weight for
-   callers that hand large batches to a float GEMM. */
-#include <stdlib.h>
+   Weight-only kernels run quant_tile.h's tiled_linear on their rows widened to float. The
+   dequantize kernels write the float weight for callers that hand large batches to a float
+   GEMM. */
 #include <math.h>
 #include "quant_tile.h"
 
-/* Row n of an int8 weight as floats (unscaled codes). */
-static void int8_row(float *dst, const int8_t *w, int64_t K) {
+/* Row n of an int8 weight W [N, K] as floats (unscaled codes). */
+static void int8_row(float *dst, const void *weights, int64_t n, int64_t K) {
+    const int8_t *w = (const int8_t *)weights + n * K;
     int64_t k = 0;
     for (; k + 8 <= K; k += 8) storev(dst + k, __builtin_convertvector(widen_i8(w + k), v8));
     for (; k < K; ++k) dst[k] = (float)w[k];
@@ -36,31 +35,25 @@ static void int4_row(float *dst, const uint8_t *w, const float *scale, const flo
 /* Weight-only int8: out [M, N] = x [M, K] (row stride ldx) W^T * scale[n] + bias[n]. */
 void int8_linear(float *out, const float *x, int64_t ldx, const int8_t *w, const float *scale,
                  const float *bias, int64_t M, int64_t N, int64_t K, int nthreads) {
-    #pragma omp parallel num_threads(nthreads)
-    {
-        float *wb = malloc(sizeof(float) * NR * K);
-        #pragma omp for schedule(static)
-        for (int64_t n0 = 0; n0 < N; n0 += NR) {
-            const int nr = N - n0 < NR ? (int)(N - n0) : NR;
-            for (int j = 0; j < NR; ++j) int8_row(wb + j * K, w + (n0 + (j < nr ? j : 0)) * K, K);
-            rows_times_block(out, x, ldx, wb, nr, scale, bias, M, N, K, n0);
-        }
-        free(wb);
-    }
+    tiled_linear(out, x, ldx, int8_row, w, scale, bias, M, N, K, nthreads);
 }
 
 /* out [N, K] = W * scale[n]. */
-void int8_dequantize(float *out, const int8_t *w, const float *scale, int64_t N, int64_t K,
-                     int nthreads) {
-    #pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t n = 0; n < N; ++n) {
-        float *o = out + n * K;
-        int8_row(o, w + n * K, K);
-        const float s = scale[n];
-        int64_t k = 0;
-        for (; k + 8 <= K; k += 8) storev(o + k, loadv(o + k) * s);
-        for (; k < K; ++k) o[k] *= s;
-    }
+void int8_dequantize(float *out, const int8_t *w, const float *scale, int64_t N, int64_t K, int nthreads) {
+    dequantize_rows(out, int8_row, w, scale, N, K, nthreads);
+}
+
+/* A group-wise int4 weight, as int4_widen reads it. */
+typedef struct {
+    const uint8_t *w;
+    const float *scale, *minv;
+    int64_t group;
+} int4_weights;
+
+static void int4_widen(float *dst, const void *weights, int64_t n, int64_t K) {
+    const int4_weights *p = weights;
+    const int64_t groups = K / p->group;
+    int4_row(dst, p->w + n * (K / 2), p->scale + n * groups, p->minv + n * groups, K, p->group);
 }
 
 /* Group-wise int4 (K a multiple of 32, group a multiple of 8 dividing K):
@@ -68,30 +61,15 @@ void int8_dequantize(float *out, const int8_t *w, const float *scale, int64_t N,
 void int4_linear(float *out, const float *x, int64_t ldx, const uint8_t *w, const float *scale,
                  const float *minv, const float *bias, int64_t M, int64_t N, int64_t K,
                  int64_t group, int nthreads) {
-    const int64_t groups = K / group;
-    #pragma omp parallel num_threads(nthreads)
-    {
-        float *wb = malloc(sizeof(float) * NR * K);
-        #pragma omp for schedule(static)
-        for (int64_t n0 = 0; n0 < N; n0 += NR) {
-            const int nr = N - n0 < NR ? (int)(N - n0) : NR;
-            for (int j = 0; j < NR; ++j) {
-                const int64_t n = n0 + (j < nr ? j : 0);
-                int4_row(wb + j * K, w + n * (K / 2), scale + n * groups, minv + n * groups, K, group);
-            }
-            rows_times_block(out, x, ldx, wb, nr, NULL, bias, M, N, K, n0);
-        }
-        free(wb);
-    }
+    const int4_weights weights = {w, scale, minv, group};
+    tiled_linear(out, x, ldx, int4_widen, &weights, NULL, bias, M, N, K, nthreads);
 }
 
 /* out [N, K] = the float weight of a group-wise int4 one. */
 void int4_dequantize(float *out, const uint8_t *w, const float *scale, const float *minv,
                      int64_t N, int64_t K, int64_t group, int nthreads) {
-    const int64_t groups = K / group;
-    #pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t n = 0; n < N; ++n)
-        int4_row(out + n * K, w + n * (K / 2), scale + n * groups, minv + n * groups, K, group);
+    const int4_weights weights = {w, scale, minv, group};
+    dequantize_rows(out, int4_widen, &weights, NULL, N, K, nthreads);
 }
 
 /* Dynamic symmetric per-row int8: scale[m] = max|x[m]| / 127 (1 for a zero row),

@@ -1,6 +1,7 @@
 /* The float micro-kernel of the quantized linear kernels: every input row times a block of
    NR weight rows that the caller has dequantized into a float buffer. */
 #pragma once
+#include <stdlib.h>
 #include "vec.h"
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -83,5 +84,44 @@ static void rows_times_block(float *out, const float *x, int64_t ldx, const floa
                 if (bias) v += bias[n0 + j];
                 out[(m0 + m) * N + n0 + j] = v;
             }
+    }
+}
+
+/* Weight row n widened to K floats in dst: how tiled_linear reads one kind of weight. */
+typedef void (*widen_row_fn)(float *dst, const void *weights, int64_t n, int64_t K);
+
+/* out [M, N] = x [M, K] (row stride ldx) W^T * scale[n] (scale may be NULL) + bias[n] (may be
+   NULL): each thread widens NR weight rows at a time into a float buffer (a few KiB, in L1) and
+   multiplies every input row by them, so each weight byte is read from memory once per call;
+   threads split the output rows. Inlined, so `widen` is too. */
+static inline __attribute__((always_inline)) void
+tiled_linear(float *out, const float *x, int64_t ldx, widen_row_fn widen, const void *weights,
+             const float *scale, const float *bias, int64_t M, int64_t N, int64_t K, int nthreads) {
+    #pragma omp parallel num_threads(nthreads)
+    {
+        float *wb = malloc(sizeof(float) * NR * K);
+        #pragma omp for schedule(static)
+        for (int64_t n0 = 0; n0 < N; n0 += NR) {
+            const int nr = N - n0 < NR ? (int)(N - n0) : NR;
+            for (int j = 0; j < NR; ++j) widen(wb + j * K, weights, n0 + (j < nr ? j : 0), K);
+            rows_times_block(out, x, ldx, wb, nr, scale, bias, M, N, K, n0);
+        }
+        free(wb);
+    }
+}
+
+/* out [N, K] = W * scale[n] (scale may be NULL), W's rows widened by `widen`. */
+static inline __attribute__((always_inline)) void
+dequantize_rows(float *out, widen_row_fn widen, const void *weights, const float *scale, int64_t N,
+                int64_t K, int nthreads) {
+    #pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t n = 0; n < N; ++n) {
+        float *o = out + n * K;
+        widen(o, weights, n, K);
+        if (!scale) continue;
+        const float s = scale[n];
+        int64_t k = 0;
+        for (; k + 8 <= K; k += 8) storev(o + k, loadv(o + k) * s);
+        for (; k < K; ++k) o[k] *= s;
     }
 }
