@@ -165,7 +165,8 @@ def test_absorbed_decode_equals_decompressed():
     mask = torch.arange(ctx)[None, :] < lens[:, None]
     absorbed = impl.attend_absorbed(q, latents, mask)
     for b in range(batch):
-        ref = impl.attend_decompressed(q[b : b + 1], latents[b, : lens[b]], None)
+        everything = torch.ones(1, int(lens[b]), dtype=torch.bool)
+        ref = impl.attend_decompressed(q[b : b + 1], latents[b, : lens[b]], everything)
         assert (absorbed[b] - ref[0]).abs().max() < 1e-4
 
 
