@@ -27,7 +27,7 @@ from tokenmill.layers.rotary_embedding import get_rope, rope_config, yarn_get_ms
 from tokenmill.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from tokenmill.model_loader.weights import default_weight_loader
 from tokenmill.quant.kv_cache import load_kv_scale
-from tokenmill.models.llama import LlamaMLP, maybe_prefix
+from tokenmill.models.llama import LlamaMLP, PreNormDecoderLayer, maybe_prefix
 
 
 def softmax_scale(config: Any) -> float:
@@ -185,9 +185,8 @@ class DeepseekV2MoE(nn.Module):
         return self.experts(hidden_states, router_logits)
 
 
-class DeepseekV2DecoderLayer(nn.Module):
-    """Pre-norm MLA + (MoE or dense SwiGLU) block with the residual carried through the
-    fused-add RMSNorms."""
+class DeepseekV2DecoderLayer(PreNormDecoderLayer):
+    """Pre-norm MLA + (MoE or dense SwiGLU) block."""
 
     def __init__(self, config: Any, prefix: str = "", *, layer_idx: int, v3: bool) -> None:
         super().__init__()
@@ -203,18 +202,6 @@ class DeepseekV2DecoderLayer(nn.Module):
             )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(
-        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
 
 
 class DeepseekV2Model(nn.Module):

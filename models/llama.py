@@ -125,9 +125,34 @@ class LlamaAttention(nn.Module):
         return self.o_proj(self.attn(q, k, v))
 
 
-class LlamaDecoderLayer(nn.Module):
-    """Pre-norm attention + MLP block; the residual stream is carried through the fused
-    add in each RMSNorm."""
+class PreNormDecoderLayer(nn.Module):
+    """Pre-norm attention + MLP block; the residual stream is carried through the fused add in
+    each RMSNorm. Subclasses build ``self_attn`` (``(positions, hidden) -> hidden``), ``mlp``,
+    ``input_layernorm`` and ``post_attention_layernorm``."""
+
+    self_attn: nn.Module
+    mlp: nn.Module
+    input_layernorm: RMSNorm
+    post_attention_layernorm: RMSNorm
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class LlamaDecoderLayer(PreNormDecoderLayer):
+    """Llama's decoder block: QKV attention and the SwiGLU MLP."""
 
     @staticmethod
     def attention_biases(config: Any) -> tuple[bool, bool]:
@@ -160,21 +185,6 @@ class LlamaDecoderLayer(nn.Module):
         )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(
-        self,
-        positions: torch.Tensor,
-        hidden_states: torch.Tensor,
-        residual: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
 
 
 class LlamaModel(nn.Module):
