@@ -17,13 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from tokenmill.attention_backends.cpu_sdpa import (
-    CpuSdpaMetadata,
-    CpuSdpaMetadataBuilder,
-    DecodeBatch,
-)
+from tokenmill.attention_backends.cpu_sdpa import CpuBackend, CpuSdpaMetadata, DecodeBatch
 from tokenmill.attention_backends.torch_mla import TorchMLABackend, TorchMLAImpl
-from tokenmill.interfaces.attention import AttentionConfig, AttentionImpl, AttentionMetadataBuilder
+from tokenmill.interfaces.attention import AttentionImpl
 from tokenmill.ops import cpu as cpu_ops
 from tokenmill.quant import kv_cache as kv_quant
 
@@ -41,7 +37,7 @@ class CpuMLAImpl(TorchMLAImpl):
         if attn_metadata is None:
             return output
         md = attn_metadata
-        self.write_latents(key, value, kv_cache, md.slot_mapping)
+        self.write(key, value, kv_cache, md.slot_mapping)
         plan = md.plan(None)
         fresh = [chunk for chunk in plan.prefills if chunk.block_ids is None]
         if fresh:  # fresh prompts: one decompression of all their new latents
@@ -80,7 +76,7 @@ class CpuMLAImpl(TorchMLAImpl):
         return self.attend_absorbed(q, latents, decode.mask[:, 0, 0, :])
 
 
-class CpuMLABackend(TorchMLABackend):
+class CpuMLABackend(CpuBackend, TorchMLABackend):
     @staticmethod
     def get_name() -> str:
         return "cpu_mla"
@@ -88,14 +84,3 @@ class CpuMLABackend(TorchMLABackend):
     @staticmethod
     def get_impl_cls() -> type[AttentionImpl]:
         return CpuMLAImpl
-
-    @staticmethod
-    def get_metadata_builder_cls() -> type[AttentionMetadataBuilder]:
-        return CpuSdpaMetadataBuilder
-
-    @classmethod
-    def validate_configuration(cls, config: AttentionConfig) -> list[str]:
-        reasons = super().validate_configuration(config)
-        if config.device_type != "cpu":
-            reasons.append(f"runs on the CPU only, not {config.device_type}")
-        return reasons

@@ -238,17 +238,8 @@ class CpuSdpaImpl(AttentionImpl):
         return blocks.view(*lead, -1, kvh, d).transpose(-3, -2)
 
 
-class CpuSdpaBackend(AttentionBackend):
-    supports_sliding_window = True
-    supported_kv_cache_dtypes = tuple(KV_CACHE_DTYPES)
-
-    @staticmethod
-    def get_name() -> str:
-        return "cpu_sdpa"
-
-    @staticmethod
-    def get_impl_cls() -> type[AttentionImpl]:
-        return CpuSdpaImpl
+class CpuBackend(AttentionBackend):
+    """The base of the backends that run on the CPU only, over this module's step plans."""
 
     @staticmethod
     def get_metadata_builder_cls() -> type[AttentionMetadataBuilder]:
@@ -260,3 +251,16 @@ class CpuSdpaBackend(AttentionBackend):
         if config.device_type != "cpu":
             reasons.append(f"runs on the CPU only, not {config.device_type}")
         return reasons
+
+
+class CpuSdpaBackend(CpuBackend):
+    supports_sliding_window = True
+    supported_kv_cache_dtypes = tuple(KV_CACHE_DTYPES)
+
+    @staticmethod
+    def get_name() -> str:
+        return "cpu_sdpa"
+
+    @staticmethod
+    def get_impl_cls() -> type[AttentionImpl]:
+        return CpuSdpaImpl

@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.attention_backends.torch_ref import (
+    ChunkInfo,
+    TorchRefImpl,
     TorchRefMetadata,
     TorchRefMetadataBuilder,
     causal_mask,
@@ -37,19 +39,15 @@ from tokenmill.quant import kv_cache as kv_quant
 from tokenmill.quant.kv_cache import KV_CACHE_DTYPES
 
 
-class TorchMLAImpl(AttentionImpl):
+class TorchMLAImpl(TorchRefImpl):
     """One MLA layer's kernels. ``forward(q, kv_c_normed, k_pe, kv_cache, metadata)``: ``q``
     [T, H, nope+rope] (rope part rotated), ``kv_c_normed`` [T, kv_lora_rank], ``k_pe``
-    [T, rope]; returns [T, H, v_head_dim]."""
+    [T, rope]; returns [T, H, v_head_dim]. The positional arguments are
+    :class:`AttentionImpl`'s; the keywords describe the latent and ``kv_b_proj``."""
 
     def __init__(
         self,
-        num_heads: int,
-        head_size: int,
-        scale: float,
-        num_kv_heads: int,
-        sliding_window: int | None = None,
-        *,
+        *args: Any,
         kv_lora_rank: int,
         qk_nope_head_dim: int,
         qk_rope_head_dim: int,
@@ -57,8 +55,8 @@ class TorchMLAImpl(AttentionImpl):
         kv_b_proj: torch.nn.Module,
         **extra: Any,
     ) -> None:
-        super().__init__(num_heads, head_size, scale, num_kv_heads, sliding_window)
-        if sliding_window is not None:
+        super().__init__(*args, **extra)
+        if self.sliding_window is not None:
             raise ValueError("MLA attention has no sliding window")
         self.kv_lora_rank = kv_lora_rank
         self.qk_nope_head_dim = qk_nope_head_dim
@@ -73,7 +71,10 @@ class TorchMLAImpl(AttentionImpl):
         )
         return w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim :]
 
-    def write_latents(
+    def new_output(self, query: torch.Tensor) -> torch.Tensor:
+        return query.new_zeros(query.shape[0], self.num_heads, self.v_head_dim)
+
+    def write(
         self, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor
     ) -> torch.Tensor:
         """Scatter ``[kv_c, k_pe]`` of the first ``len(slots)`` tokens into the cache; returns
@@ -83,7 +84,7 @@ class TorchMLAImpl(AttentionImpl):
         kv_quant.write(cache, slots, torch.cat((kv_c[:n], k_pe[:n]), dim=-1), self.k_scale)
         return cache
 
-    def read_latents(self, cache: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def read(self, cache: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The cached latents at ``slots`` as ``dtype``."""
         return kv_quant.read(cache[slots], self.k_scale, dtype)
 
@@ -155,33 +156,13 @@ class TorchMLAImpl(AttentionImpl):
         assert md.decode_slots is not None and md.decode_pos is not None
         k_pos = torch.arange(md.decode_slots.shape[1], device=q.device)
         mask = causal_mask(md.decode_pos, k_pos, None)
-        return self.attend_absorbed(q, self.read_latents(cache, md.decode_slots, q.dtype), mask)
+        return self.attend_absorbed(q, self.read(cache, md.decode_slots, q.dtype), mask)
 
-    def forward(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        attn_metadata: TorchRefMetadata | None,
-    ) -> torch.Tensor:
-        output = query.new_zeros(query.shape[0], self.num_heads, self.v_head_dim)
-        if attn_metadata is None:
-            return output
-        md = attn_metadata
-        cache = self.write_latents(key, value, kv_cache, md.slot_mapping)
-        if md.decode_token_idx is not None:
-            rows = md.decode_token_idx
-            output[rows] = self.decode(query[rows], cache, md)
-        for chunk in md.chunks:
-            k_pos = torch.arange(chunk.slots.shape[0], device=query.device)
-            mask = causal_mask(chunk.q_pos, k_pos, None)
-            output[chunk.token_start : chunk.token_end] = self.attend_decompressed(
-                query[chunk.token_start : chunk.token_end],
-                self.read_latents(cache, chunk.slots, query.dtype),
-                mask,
-            )
-        return output
+    def attend_chunk(self, q: torch.Tensor, cache: torch.Tensor, chunk: ChunkInfo) -> torch.Tensor:
+        """One multi-token chunk's outputs [Q, H, v], decompressed."""
+        k_pos = torch.arange(chunk.slots.shape[0], device=q.device)
+        mask = causal_mask(chunk.q_pos, k_pos, None)
+        return self.attend_decompressed(q, self.read(cache, chunk.slots, q.dtype), mask)
 
 
 class TorchMLABackend(AttentionBackend):

@@ -39,6 +39,23 @@ def causal_mask(
     return mask
 
 
+def token_major_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    """SDPA on token-major tensors: ``q`` [Q, H, D] over ``k`` [S, KVH, D] and ``v``
+    [S, KVH, Dv] (each KV head shared by ``H / KVH`` query heads) with ``mask`` [Q, S]:
+    [Q, H, Dv]."""
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1),
+        k.transpose(0, 1),
+        v.transpose(0, 1),
+        attn_mask=mask,
+        scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )
+    return out.transpose(0, 1)
+
+
 @dataclass
 class ChunkInfo:
     """One multi-token request: its query rows and positions and its context slots."""
@@ -108,6 +125,9 @@ class TorchRefMetadataBuilder(AttentionMetadataBuilder):
 
 
 class TorchRefImpl(AttentionImpl):
+    """Writes the step's K/V, attends the decode rows in one batch and each multi-token chunk
+    on its own. The MLA reference keeps this plan and changes what each part does."""
+
     def forward(
         self,
         query: torch.Tensor,
@@ -116,40 +136,71 @@ class TorchRefImpl(AttentionImpl):
         kv_cache: torch.Tensor,
         attn_metadata: TorchRefMetadata | None,
     ) -> torch.Tensor:
-        output = torch.zeros_like(query)
+        output = self.new_output(query)
         if attn_metadata is None:
             return output
-        n = attn_metadata.num_actual_tokens
+        md = attn_metadata
+        cache = self.write(key, value, kv_cache, md.slot_mapping)
+        if md.decode_token_idx is not None:
+            rows = md.decode_token_idx
+            output[rows] = self.decode(query[rows], cache, md)
+        for chunk in md.chunks:
+            s, e = chunk.token_start, chunk.token_end
+            output[s:e] = self.attend_chunk(query[s:e], cache, chunk)
+        return output
+
+    def new_output(self, query: torch.Tensor) -> torch.Tensor:
+        """The zeroed output for ``query``'s rows."""
+        return torch.zeros_like(query)
+
+    def write(
+        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scatter the first ``len(slots)`` tokens' K/V into the cache; returns the key and
+        value caches as flat [num_slots, kv_heads, head_size] rows."""
         key_cache = kv_cache[0].view(-1, self.num_kv_heads, self.head_size)
         value_cache = kv_cache[1].view(-1, self.num_kv_heads, self.head_size)
-        kv_quant.write(key_cache, attn_metadata.slot_mapping, key[:n], self.k_scale)
-        kv_quant.write(value_cache, attn_metadata.slot_mapping, value[:n], self.v_scale)
-        gqa = self.num_heads != self.num_kv_heads
+        n = slots.shape[0]
+        kv_quant.write(key_cache, slots, key[:n], self.k_scale)
+        kv_quant.write(value_cache, slots, value[:n], self.v_scale)
+        return key_cache, value_cache
 
-        if attn_metadata.decode_token_idx is not None:
-            rows = attn_metadata.decode_token_idx
-            q = query[rows].unsqueeze(2)  # [B, H, 1, D]
-            slots = attn_metadata.decode_slots
-            k = kv_quant.read(key_cache[slots], self.k_scale, query.dtype).transpose(1, 2)
-            v = kv_quant.read(value_cache[slots], self.v_scale, query.dtype).transpose(1, 2)
-            k_pos = torch.arange(k.shape[2], device=query.device)
-            mask = causal_mask(attn_metadata.decode_pos, k_pos, self.sliding_window)
-            out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask[:, None, None, :], scale=self.scale, enable_gqa=gqa
-            )
-            output[rows] = out.squeeze(2)
+    def read(
+        self, cache: tuple[torch.Tensor, torch.Tensor], slots: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cached keys and values at ``slots`` as ``dtype``."""
+        key_cache, value_cache = cache
+        return (
+            kv_quant.read(key_cache[slots], self.k_scale, dtype),
+            kv_quant.read(value_cache[slots], self.v_scale, dtype),
+        )
 
-        for chunk in attn_metadata.chunks:
-            q = query[chunk.token_start : chunk.token_end].transpose(0, 1)  # [H, Q, D]
-            k = kv_quant.read(key_cache[chunk.slots], self.k_scale, query.dtype).transpose(0, 1)
-            v = kv_quant.read(value_cache[chunk.slots], self.v_scale, query.dtype).transpose(0, 1)
-            k_pos = torch.arange(k.shape[1], device=query.device)
-            mask = causal_mask(chunk.q_pos, k_pos, self.sliding_window)
-            out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=gqa
-            )
-            output[chunk.token_start : chunk.token_end] = out.transpose(0, 1)
-        return output
+    def decode(
+        self, q: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor], md: TorchRefMetadata
+    ) -> torch.Tensor:
+        """The decode rows' outputs [B, H, head_size]."""
+        assert md.decode_slots is not None and md.decode_pos is not None
+        k, v = self.read(cache, md.decode_slots, q.dtype)  # [B, S, KVH, D]
+        k_pos = torch.arange(k.shape[1], device=q.device)
+        mask = causal_mask(md.decode_pos, k_pos, self.sliding_window)
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            attn_mask=mask[:, None, None, :],
+            scale=self.scale,
+            enable_gqa=self.num_heads != self.num_kv_heads,
+        )
+        return out.squeeze(2)
+
+    def attend_chunk(
+        self, q: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor], chunk: ChunkInfo
+    ) -> torch.Tensor:
+        """One multi-token chunk's outputs [Q, H, head_size]."""
+        k, v = self.read(cache, chunk.slots, q.dtype)  # [S, KVH, D]
+        k_pos = torch.arange(k.shape[0], device=q.device)
+        mask = causal_mask(chunk.q_pos, k_pos, self.sliding_window)
+        return token_major_attention(q, k, v, mask, self.scale)
 
 
 class TorchRefBackend(AttentionBackend):

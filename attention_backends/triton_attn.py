@@ -27,6 +27,25 @@ SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_HEAD_SIZE = 256
 
 
+def triton_reasons(config: AttentionConfig) -> list[str]:
+    """Why this project's Triton kernels cannot run ``config``'s device and dtype (empty: they
+    can): Triton missing, a device other than CUDA/ROCm (or the CPU under ``TRITON_INTERPRET=1``,
+    not in bfloat16), an unsupported dtype."""
+    reasons = []
+    if importlib.util.find_spec("triton") is None:
+        reasons.append("triton is not installed (pip install triton)")
+    if config.device_type == "cpu":
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            reasons.append("needs a CUDA or ROCm device (on the CPU only with TRITON_INTERPRET=1)")
+        if config.dtype == torch.bfloat16:
+            reasons.append("the Triton interpreter computes bfloat16 dot products wrongly")
+    elif config.device_type != "cuda":
+        reasons.append(f"needs a CUDA or ROCm device, not {config.device_type!r}")
+    if config.dtype not in SUPPORTED_DTYPES:
+        reasons.append(f"dtype {config.dtype} is not supported")
+    return reasons
+
+
 @dataclass
 class TritonAttentionMetadata:
     num_actual_tokens: int
@@ -110,20 +129,7 @@ class TritonAttentionBackend(AttentionBackend):
 
     @classmethod
     def validate_configuration(cls, config: AttentionConfig) -> list[str]:
-        reasons = super().validate_configuration(config)
-        if importlib.util.find_spec("triton") is None:
-            reasons.append("triton is not installed (pip install triton)")
-        if config.device_type == "cpu":
-            if os.environ.get("TRITON_INTERPRET") != "1":
-                reasons.append(
-                    "needs a CUDA or ROCm device (on the CPU only with TRITON_INTERPRET=1)"
-                )
-            if config.dtype == torch.bfloat16:
-                reasons.append("the Triton interpreter computes bfloat16 dot products wrongly")
-        elif config.device_type != "cuda":
-            reasons.append(f"needs a CUDA or ROCm device, not {config.device_type!r}")
-        if config.dtype not in SUPPORTED_DTYPES:
-            reasons.append(f"dtype {config.dtype} is not supported")
+        reasons = super().validate_configuration(config) + triton_reasons(config)
         if config.head_size > MAX_HEAD_SIZE:
             reasons.append(f"head size {config.head_size} is larger than {MAX_HEAD_SIZE}")
         return reasons

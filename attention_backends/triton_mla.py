@@ -9,16 +9,13 @@ launch for the whole decode batch. Runs on CUDA and ROCm, and on the CPU under
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import torch
 
 from tokenmill.attention_backends.torch_mla import TorchMLABackend, TorchMLAImpl
 from tokenmill.attention_backends.torch_ref import TorchRefMetadata
+from tokenmill.attention_backends.triton_attn import triton_reasons
 from tokenmill.interfaces.attention import AttentionConfig, AttentionImpl
 
-SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_LATENT_SIZE = 1024
 
 
@@ -40,6 +37,7 @@ class TritonMLAImpl(TorchMLAImpl):
 
 class TritonMLABackend(TorchMLABackend):
     supported_kv_cache_dtypes = ("auto",)
+
     @staticmethod
     def get_name() -> str:
         return "triton_mla"
@@ -50,20 +48,7 @@ class TritonMLABackend(TorchMLABackend):
 
     @classmethod
     def validate_configuration(cls, config: AttentionConfig) -> list[str]:
-        reasons = super().validate_configuration(config)
-        if importlib.util.find_spec("triton") is None:
-            reasons.append("triton is not installed (pip install triton)")
-        if config.device_type == "cpu":
-            if os.environ.get("TRITON_INTERPRET") != "1":
-                reasons.append(
-                    "needs a CUDA or ROCm device (on the CPU only with TRITON_INTERPRET=1)"
-                )
-            if config.dtype == torch.bfloat16:
-                reasons.append("the Triton interpreter computes bfloat16 dot products wrongly")
-        elif config.device_type != "cuda":
-            reasons.append(f"needs a CUDA or ROCm device, not {config.device_type!r}")
-        if config.dtype not in SUPPORTED_DTYPES:
-            reasons.append(f"dtype {config.dtype} is not supported")
+        reasons = super().validate_configuration(config) + triton_reasons(config)
         if config.head_size > MAX_LATENT_SIZE:
             reasons.append(f"latent size {config.head_size} is larger than {MAX_LATENT_SIZE}")
         return reasons

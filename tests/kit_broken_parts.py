@@ -8,6 +8,7 @@ import dataclasses
 import numpy as np
 import torch
 
+from tokenmill.attention_backends.torch_mla import TorchMLABackend, TorchMLAImpl
 from tokenmill.attention_backends.torch_ref import TorchRefBackend, TorchRefImpl
 from tokenmill.interfaces import AttentionConfig
 from tokenmill.interfaces.proposer import Proposal, Proposer
@@ -50,6 +51,36 @@ class NoGqaBackend(TorchRefBackend):
     @staticmethod
     def get_impl_cls():
         return NoGqaImpl
+
+
+class WrongSlotMLAImpl(TorchMLAImpl):
+    """Writes each token's latent one slot past where the slot mapping says."""
+
+    def write(self, kv_c, k_pe, kv_cache, slots):
+        num_slots = kv_cache.numel() // self.head_size
+        return super().write(kv_c, k_pe, kv_cache, (slots + 1) % num_slots)
+
+
+class WrongSlotMLABackend(TorchMLABackend):
+    @staticmethod
+    def get_impl_cls():
+        return WrongSlotMLAImpl
+
+
+class NoRopeMLAImpl(TorchMLAImpl):
+    """Drops the rope part from the decodes' scores: the absorbed query keeps only
+    ``q_nope·W_UK``."""
+
+    def absorb_query(self, q):
+        q_cat = super().absorb_query(q)
+        q_cat[..., self.kv_lora_rank :] = 0
+        return q_cat
+
+
+class NoRopeMLABackend(TorchMLABackend):
+    @staticmethod
+    def get_impl_cls():
+        return NoRopeMLAImpl
 
 
 class UnregisteredCandidatePlatform(CpuPlatform):

@@ -17,6 +17,8 @@ from tokenmill import plugins
 
 plugins.register_attention_backend("wrong-slot", "kit_broken_parts:WrongSlotBackend")
 plugins.register_attention_backend("no-gqa", "kit_broken_parts:NoGqaBackend")
+plugins.register_attention_backend("wrong-slot-mla", "kit_broken_parts:WrongSlotMLABackend")
+plugins.register_attention_backend("no-rope-mla", "kit_broken_parts:NoRopeMLABackend")
 plugins.register_platform("unregistered-candidate", "kit_broken_parts:UnregisteredCandidatePlatform")
 plugins.register_model("LlamaForCausalLM", "kit_broken_parts:RopeOffByOne")
 plugins.register_proposer("corrupting", "kit_broken_parts:CorruptingProposer")
@@ -77,6 +79,10 @@ the ``mtp`` proposer's DeepSeek-V3 target and for a random EAGLE-1 head."""
 CAUSAL_LMS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 """The first-party models the kit checks (not ``DeepSeekMTPModel``: a draft module, no LM)."""
 
+MLA_BACKENDS = ("torch_mla", "cpu_mla", "triton_mla")
+"""The first-party MLA backends that run on the CPU (``triton_mla`` under ``TRITON_INTERPRET=1``,
+which tests/conftest.py sets without a GPU)."""
+
 ONLINE_QUANTIZATION = ("int8", "w8a8", "int4", "fp8")
 """The first-party quantization methods that quantize float weights (the others load
 pre-quantized checkpoints only; tests/test_quant_checkpoints.py covers them)."""
@@ -88,6 +94,7 @@ def test_first_party_cpu_parts_pass(tmp_path):
     result = run_kit(
         tmp_path,
         "--tokenmill-backend", "torch", "--tokenmill-backend", "cpu_sdpa",
+        *[arg for name in MLA_BACKENDS for arg in ("--tokenmill-backend", name)],
         "--tokenmill-platform", "cpu",
         *models,
         "--tokenmill-proposer", "ngram", "--tokenmill-proposer", "draft_model",
@@ -100,6 +107,7 @@ def test_first_party_cpu_parts_pass(tmp_path):
     assert report == {
         "attention backend 'torch'": "6 of 6 contract points passed",
         "attention backend 'cpu_sdpa'": "6 of 6 contract points passed",
+        **{f"attention backend '{name}'": "5 of 5 contract points passed" for name in MLA_BACKENDS},
         "platform 'cpu'": "5 of 5 contract points passed",
         "model 'LlamaForCausalLM'": "5 of 5 contract points passed",
         "model 'MistralForCausalLM'": "5 of 5 contract points passed",
@@ -147,11 +155,24 @@ def test_unknown_part_is_a_usage_error(tmp_path, option, message):
     assert message in result.stderr + result.stdout
 
 
+def test_unimportable_backend_is_a_usage_error(tmp_path):
+    """The kit loads a backend to pick its suite (MLA or not): a target that does not import
+    stops the run with the registry's message."""
+    (tmp_path / "conftest.py").write_text(
+        "from tokenmill import plugins\n"
+        "plugins.register_attention_backend('missing', 'no_such_module:Backend')\n"
+    )
+    result = run_kit(tmp_path, "--tokenmill-backend", "missing")
+    assert result.returncode == 4, result.stdout + result.stderr
+    assert "cannot import attention backend 'missing'" in result.stderr + result.stdout
+
+
 def test_broken_parts_fail_at_their_contract_point(tmp_path):
     (tmp_path / "conftest.py").write_text(BROKEN_CONFTEST)
     result = run_kit(
         tmp_path,
         "--tokenmill-backend", "wrong-slot", "--tokenmill-backend", "no-gqa",
+        "--tokenmill-backend", "wrong-slot-mla", "--tokenmill-backend", "no-rope-mla",
         "--tokenmill-platform", "unregistered-candidate",
         "--tokenmill-model", "LlamaForCausalLM",
         "--tokenmill-proposer", "corrupting",
@@ -167,6 +188,9 @@ def test_broken_parts_fail_at_their_contract_point(tmp_path):
         "test_sliding_window[wrong-slot]",
         "test_matches_reference_on_mixed_batches[no-gqa]",
         "test_sliding_window[no-gqa]",
+        "test_writes_latent_where_slot_mapping_says[wrong-slot-mla]",
+        "test_matches_reference_on_mixed_batches[wrong-slot-mla]",
+        "test_matches_reference_on_mixed_batches[no-rope-mla]",
         "test_candidates_are_registered_backends[unregistered-candidate]",
         "test_greedy_equals_cpu_platform[unregistered-candidate]",
         "test_greedy_matches_transformers[LlamaForCausalLM]",
@@ -180,6 +204,8 @@ def test_broken_parts_fail_at_their_contract_point(tmp_path):
     for message in (
         "the cache differs from the reference after the K/V writes",
         "attention output differs from the reference backend",
+        "the cache differs from the reference after the latent writes",
+        "attention output differs from the reference backend 'torch_mla'",
         "name unregistered backend(s) ['no-such-backend']",
         "greedy tokens differ from transformers on prompt 0",
         "changed the greedy tokens of prompt",
@@ -189,6 +215,7 @@ def test_broken_parts_fail_at_their_contract_point(tmp_path):
         assert message in out, message
     report = summary(out)
     assert report["attention backend 'no-gqa'"] == "4 of 6 contract points passed"
+    assert report["attention backend 'no-rope-mla'"] == "4 of 5 contract points passed"
     assert report["model 'LlamaForCausalLM'"] == "4 of 5 contract points passed"
     assert report["quantization method 'neighbour-scale'"] == "3 of 5 contract points passed"
     assert report["quantization method 'keeps-float'"] == "4 of 5 contract points passed"

@@ -108,10 +108,10 @@ def test_mla_latent_cache_in_fp8():
     kv_c, k_pe = torch.randn(10, rank, generator=gen), torch.randn(10, rope, generator=gen)
     cache = torch.zeros(4, 4, rank + rope, dtype=torch.float8_e4m3fn)
     slots = torch.tensor([3, 7, 0, 1, 2, 8, 9, 10, 11, 15])
-    flat = impl.write_latents(kv_c, k_pe, cache, slots)
+    flat = impl.write(kv_c, k_pe, cache, slots)
     latents = torch.cat((kv_c, k_pe), dim=-1)
     expected = (latents / 0.25).to(torch.float8_e4m3fn).float() * 0.25
-    torch.testing.assert_close(impl.read_latents(flat, slots, torch.float32), expected, atol=0, rtol=0)
+    torch.testing.assert_close(impl.read(flat, slots, torch.float32), expected, atol=0, rtol=0)
 
 
 def test_block_count_follows_the_cache_dtype(tmp_path):

@@ -34,9 +34,49 @@ def random_batch(
     seed: int = 0,
 ) -> PagedBatch:
     """Request ``i`` has ``context_lens[i]`` cached tokens (random K/V already in the cache)
-    and schedules ``query_lens[i]`` new ones; blocks are a random permutation of the pool, and
-    the block table is wider than any request needs."""
+    and schedules ``query_lens[i]`` new ones, laid out by :func:`paged_metadata`."""
     gen = torch.Generator().manual_seed(seed)
+    common, num_blocks = paged_metadata(query_lens, context_lens, block_size, gen, device)
+    qkv = random_qkv(gen, sum(query_lens), num_heads, num_kv_heads, head_size, dtype, device)
+    cache = randn(gen, (2, num_blocks, block_size, num_kv_heads, head_size), dtype, device)
+    return PagedBatch(*qkv, cache, common, block_size)
+
+
+def randn(
+    gen: torch.Generator, shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device
+) -> torch.Tensor:
+    """Standard normal values drawn from ``gen`` on the CPU (the same on every device)."""
+    return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
+
+
+def random_qkv(
+    gen: torch.Generator,
+    num_tokens: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_size: int,
+    dtype: torch.dtype,
+    device: str | torch.device,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random queries [T, heads, head_size], keys and values [T, kv_heads, head_size]."""
+    return (
+        randn(gen, (num_tokens, num_heads, head_size), dtype, device),
+        randn(gen, (num_tokens, num_kv_heads, head_size), dtype, device),
+        randn(gen, (num_tokens, num_kv_heads, head_size), dtype, device),
+    )
+
+
+def paged_metadata(
+    query_lens: list[int],
+    context_lens: list[int],
+    block_size: int,
+    gen: torch.Generator,
+    device: str | torch.device = "cpu",
+) -> tuple[CommonAttentionMetadata, int]:
+    """The metadata of requests ``i`` with ``context_lens[i]`` cached tokens scheduling
+    ``query_lens[i]`` new ones, and the number of blocks in the pool: blocks are a random
+    permutation of the pool (drawn from ``gen``), and the block table is wider than any
+    request needs."""
     seq_lens = [q + c for q, c in zip(query_lens, context_lens)]
     blocks_needed = [-(-s // block_size) for s in seq_lens]
     num_blocks = sum(blocks_needed) + 3
@@ -51,20 +91,7 @@ def random_batch(
     for i, (c, s) in enumerate(zip(context_lens, seq_lens)):
         pos = torch.arange(c, s)
         slots.append(block_table[i, pos // block_size].long() * block_size + pos % block_size)
-    num_tokens = sum(query_lens)
-
-    def randn(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
-
-    common = _metadata(query_lens, context_lens, block_table, slots, device)
-    return PagedBatch(
-        randn(num_tokens, num_heads, head_size),
-        randn(num_tokens, num_kv_heads, head_size),
-        randn(num_tokens, num_kv_heads, head_size),
-        randn(2, num_blocks, block_size, num_kv_heads, head_size),
-        common,
-        block_size,
-    )
+    return _metadata(query_lens, context_lens, block_table, slots, device), num_blocks
 
 
 def to_backend_layout(backend: type[AttentionBackend], kv_cache: torch.Tensor) -> torch.Tensor:
@@ -149,38 +176,32 @@ def _metadata(
     )
 
 
-def context_fill(batch: PagedBatch, seed: int = 1) -> PagedBatch:
-    """The step that writes ``batch``'s cached context itself: each request with a context
-    prefills it as new tokens (random Q/K/V) over the same block table, so a backend's cache
-    can be filled by the backend, in whatever layout it keeps."""
-    common = batch.common
+def context_metadata(common: CommonAttentionMetadata, block_size: int) -> CommonAttentionMetadata:
+    """The metadata of the step that writes ``common``'s cached contexts: each request with a
+    context prefills it as new tokens over the same block table."""
     context = common.num_computed_tokens_cpu.tolist()
     rows = [i for i, c in enumerate(context) if c > 0]
     lens = [context[i] for i in rows]
     block_table = common.block_table.cpu()[rows]
-    bs = batch.block_size
     slots = [
-        block_table[j, torch.arange(n) // bs].long() * bs + torch.arange(n) % bs
+        block_table[j, torch.arange(n) // block_size].long() * block_size
+        + torch.arange(n) % block_size
         for j, n in enumerate(lens)
     ]
-    device, dtype = batch.query.device, batch.query.dtype
-    num_tokens = sum(lens)
-    gen = torch.Generator().manual_seed(seed)
+    return _metadata(lens, [0] * len(lens), block_table, slots, common.block_table.device)
+
+
+def context_fill(batch: PagedBatch, seed: int = 1) -> PagedBatch:
+    """The step that writes ``batch``'s cached context itself (:func:`context_metadata`, with
+    random Q/K/V), so a backend's cache can be filled by the backend, in whatever layout it
+    keeps."""
+    fill = context_metadata(batch.common, batch.block_size)
     heads, head_size = batch.query.shape[1:]
-    kv_heads = batch.key.shape[1]
-
-    def randn(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
-
-    fill = _metadata(lens, [0] * len(lens), block_table, slots, device)
-    return PagedBatch(
-        randn(num_tokens, heads, head_size),
-        randn(num_tokens, kv_heads, head_size),
-        randn(num_tokens, kv_heads, head_size),
-        torch.zeros_like(batch.kv_cache),
-        fill,
-        bs,
+    qkv = random_qkv(
+        torch.Generator().manual_seed(seed), fill.num_actual_tokens, heads, batch.key.shape[1],
+        head_size, batch.query.dtype, batch.query.device,
     )
+    return PagedBatch(*qkv, torch.zeros_like(batch.kv_cache), fill, batch.block_size)
 
 
 def run_steps(
@@ -211,19 +232,13 @@ def run_steps(
     return outputs, cache
 
 
-def reference_permutation(
-    backend: type[AttentionBackend],
-    num_blocks: int,
-    block_size: int,
-    num_kv_heads: int,
-    head_size: int,
-) -> tuple[int, ...] | None:
-    """How ``backend``'s cache maps onto the reference layout
-    ``[2, num_blocks, block_size, num_kv_heads, head_size]``: ``cache.permute(perm)`` is that
-    layout. None when the sizes are not all different or the backend's shape is not a
-    permutation of them (a packed or padded layout)."""
-    reference = (2, num_blocks, block_size, num_kv_heads, head_size)
-    shape = tuple(backend.get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size))
+def layout_permutation(shape: tuple[int, ...], reference: tuple[int, ...]) -> tuple[int, ...] | None:
+    """``perm`` such that a cache of ``shape`` permuted by it is in the ``reference`` layout;
+    None when ``shape`` is not ``reference`` and either the sizes are not all different or it
+    is not a permutation of them (a packed or padded layout)."""
+    shape = tuple(shape)
+    if shape == tuple(reference):
+        return tuple(range(len(shape)))
     if len(set(reference)) < len(reference) or sorted(shape) != sorted(reference):
         return None
     return tuple(shape.index(size) for size in reference)

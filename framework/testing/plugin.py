@@ -6,8 +6,9 @@ speculative-decoding proposer and quantization method that the ``tokenmill.plugi
 point ``NAME`` registers; ``--tokenmill-backend``, ``--tokenmill-platform``,
 ``--tokenmill-model``, ``--tokenmill-proposer`` and ``--tokenmill-quantization`` pick single
 parts (each may repeat). The
-suites are the ``suite_*`` modules next to this one, one test per contract point; without
-explicit test paths only they run. A summary lists each part's contract points."""
+suites are the ``suite_*`` modules next to this one, one test per contract point (an attention
+backend whose ``is_mla()`` is true gets ``suite_mla_backend``); without explicit test paths
+only they run. A summary lists each part's contract points."""
 
 from __future__ import annotations
 
@@ -25,6 +26,9 @@ SUITES = {
     "quantization_methods": ("tokenmill.testing.suite_quant", "tokenmill_quantization", "--tokenmill-quantization"),
 }
 """kind -> (suite module, the fixture naming the part under test, the option picking one)."""
+
+MLA_BACKEND_SUITE = "tokenmill.testing.suite_mla_backend"
+"""The suite of attention backends whose ``is_mla()`` is true, instead of ``suite_backend``."""
 
 LABELS = {
     "attention_backends": "attention backend",
@@ -116,6 +120,19 @@ def selected_parts(config) -> dict[str, list[str]]:
     return {kind: names for kind, names in parts.items() if names}
 
 
+def suite_of(kind: str, name: str) -> str:
+    """The suite module that checks part ``name`` of ``kind``."""
+    if kind != "attention_backends":
+        return SUITES[kind][0]
+    from tokenmill import plugins
+
+    try:
+        backend = plugins.get_registry(kind).load(name)
+    except plugins.PluginError as e:
+        raise pytest.UsageError(str(e)) from e
+    return MLA_BACKEND_SUITE if backend.is_mla() else SUITES[kind][0]
+
+
 def _active(config) -> bool:
     return bool(config.getoption("--tokenmill-plugin")) or any(
         config.getoption(option) for _, _, option in SUITES.values()
@@ -130,7 +147,11 @@ def pytest_configure(config) -> None:
 def pytest_generate_tests(metafunc) -> None:
     for kind, (_, fixture, _) in SUITES.items():
         if fixture in metafunc.fixturenames:
-            names = selected_parts(metafunc.config).get(kind, [])
+            names = [
+                name
+                for name in selected_parts(metafunc.config).get(kind, [])
+                if suite_of(kind, name) == metafunc.module.__name__
+            ]
             metafunc.parametrize(fixture, names, ids=names, scope="module")
 
 
@@ -140,18 +161,19 @@ def pytest_collection_modifyitems(session, config, items) -> None:
     if not _active(config):
         return
     outcomes = config.stash.setdefault(_OUTCOMES, {})
-    for kind in selected_parts(config):
-        suite = importlib.import_module(SUITES[kind][0])
-        module = pytest.Module.from_parent(session, path=Path(suite.__file__))
-        module.obj = suite
-        for item in module.collect():
-            part = item.callspec.params[SUITES[kind][1]]
-            point = (item.function.__doc__ or item.name).strip().splitlines()[0]
-            variant = item.callspec.id.replace(part, "", 1).strip("-")
-            if variant:
-                point += f" [{variant}]"
-            outcomes[item.nodeid] = Outcome(kind, part, point)
-            items.append(item)
+    for kind, names in selected_parts(config).items():
+        for suite_name in dict.fromkeys(suite_of(kind, name) for name in names):
+            suite = importlib.import_module(suite_name)
+            module = pytest.Module.from_parent(session, path=Path(suite.__file__))
+            module.obj = suite
+            for item in module.collect():
+                part = item.callspec.params[SUITES[kind][1]]
+                point = (item.function.__doc__ or item.name).strip().splitlines()[0]
+                variant = item.callspec.id.replace(part, "", 1).strip("-")
+                if variant:
+                    point += f" [{variant}]"
+                outcomes[item.nodeid] = Outcome(kind, part, point)
+                items.append(item)
 
 
 @pytest.hookimpl(wrapper=True)

@@ -4,11 +4,17 @@ rank; ``ray`` (``ray_executor``) a Ray actor per rank, on any node of a Ray clus
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
+from typing import Any
+
 from tokenmill.config import EngineConfig
 from tokenmill.core.scheduler_output import SchedulerOutput
 from tokenmill.interfaces.kv_cache_spec import KVCacheSpec
 from tokenmill.worker.model_runner import ModelRunnerOutput
 from tokenmill.worker.worker import Worker, WorkerInfo
+
+logger = logging.getLogger(__name__)
 
 
 class ExecutorDeadError(RuntimeError):
@@ -76,3 +82,41 @@ class UniProcExecutor(Executor):
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(scheduler_output)
+
+
+class DistributedExecutor(Executor):
+    """An executor whose ranks live elsewhere (processes, Ray actors): every call runs on all
+    ranks through ``_run_all``; the first rank that dies or fails marks the executor dead
+    (``_fail``), and every later call raises ``ExecutorDeadError`` with that reason."""
+
+    _dead: str | None = None
+    _finalizer: Callable[[], Any]
+    """Kills every rank and releases what the executor holds; runs at most once, also when
+    the executor is garbage-collected (a ``weakref.finalize``)."""
+
+    def _run_all(self, method: str, args: tuple[Any, ...]) -> list[Any]:
+        """Run ``method`` on every rank; their results, rank 0 first."""
+        raise NotImplementedError
+
+    def get_kv_cache_specs(self) -> dict[str, KVCacheSpec]:
+        return self._call("get_kv_cache_specs")
+
+    def determine_num_blocks(self) -> int:
+        return min(self._call_all("determine_num_blocks"))
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self._call_all("initialize_kv_cache", num_blocks)
+
+    def _call(self, method: str, *args: Any) -> Any:
+        return self._call_all(method, *args)[0]
+
+    def _call_all(self, method: str, *args: Any) -> list[Any]:
+        if self._dead is not None:
+            raise ExecutorDeadError(self._dead)
+        return self._run_all(method, args)
+
+    def _fail(self, reason: str) -> None:
+        logger.error("%s; stopping every worker", reason)
+        self._dead = reason
+        self._finalizer()
+        raise ExecutorDeadError(reason)

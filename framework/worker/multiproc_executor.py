@@ -15,7 +15,6 @@ within ``POLL_INTERVAL_S``; the other ranks are killed, so nothing is left behin
 
 from __future__ import annotations
 
-import logging
 import os
 import pickle
 import shutil
@@ -35,12 +34,9 @@ import zmq
 from tokenmill import plugins
 from tokenmill.config import EngineConfig
 from tokenmill.core.scheduler_output import SchedulerOutput
-from tokenmill.interfaces.kv_cache_spec import KVCacheSpec
-from tokenmill.worker.executor import Executor, ExecutorDeadError
+from tokenmill.worker.executor import DistributedExecutor, ExecutorDeadError
 from tokenmill.worker.model_runner import ModelRunnerOutput
 from tokenmill.worker.worker import Worker
-
-logger = logging.getLogger(__name__)
 
 POLL_INTERVAL_S = 0.1
 """How often a waiting executor checks that its workers live, and a worker its parent."""
@@ -62,10 +58,9 @@ def describe_exit(code: int) -> str:
     return f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
 
 
-class MultiprocExecutor(Executor):
+class MultiprocExecutor(DistributedExecutor):
     def __init__(self, config: EngineConfig) -> None:
         self.world_size = config.tensor_parallel_size
-        self._dead: str | None = None
         self._dir = tempfile.mkdtemp(prefix="tokenmill-workers-")
         self._context = zmq.Context()
         reply_address = f"ipc://{os.path.join(self._dir, 'replies')}"
@@ -97,15 +92,6 @@ class MultiprocExecutor(Executor):
             self.shutdown()
             raise
 
-    def get_kv_cache_specs(self) -> dict[str, KVCacheSpec]:
-        return self._call("get_kv_cache_specs")
-
-    def determine_num_blocks(self) -> int:
-        return min(self._call_all("determine_num_blocks"))
-
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        self._call_all("initialize_kv_cache", num_blocks)
-
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self._call("execute_model", scheduler_output)
 
@@ -126,13 +112,7 @@ class MultiprocExecutor(Executor):
         self._dead = self._dead or "the executor was shut down"
         self._finalizer()
 
-    def _call(self, method: str, *args: Any) -> Any:
-        return self._call_all(method, *args)[0]
-
-    def _call_all(self, method: str, *args: Any) -> list[Any]:
-        """Run ``method`` on every rank; their results, rank 0 first."""
-        if self._dead is not None:
-            raise ExecutorDeadError(self._dead)
+    def _run_all(self, method: str, args: tuple[Any, ...]) -> list[Any]:
         message = pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)
         for sock in self._requests:
             sock.send(message, copy=False)
@@ -165,12 +145,6 @@ class MultiprocExecutor(Executor):
                     f"tensor-parallel worker rank {rank} (pid {proc.pid}) "
                     f"{describe_exit(proc.returncode)} during {method}"
                 )
-
-    def _fail(self, reason: str) -> None:
-        logger.error("%s; stopping every worker", reason)
-        self._dead = reason
-        self._finalizer()
-        raise ExecutorDeadError(reason)
 
 
 def _stop_workers(workers: list[subprocess.Popen], context: zmq.Context, ipc_dir: str) -> None:

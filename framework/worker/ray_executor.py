@@ -13,20 +13,16 @@ dies or fails a call takes the executor down (``ExecutorDeadError``, naming the 
 
 from __future__ import annotations
 
-import logging
 import weakref
 from typing import Any
 
 from tokenmill import plugins
 from tokenmill.config import EngineConfig
 from tokenmill.core.scheduler_output import SchedulerOutput
-from tokenmill.interfaces.kv_cache_spec import KVCacheSpec
-from tokenmill.worker.executor import Executor, ExecutorDeadError
+from tokenmill.worker.executor import DistributedExecutor, ExecutorDeadError
 from tokenmill.worker.model_runner import ModelRunnerOutput
 from tokenmill.worker.multiproc_executor import get_open_port
 from tokenmill.worker.worker import Worker
-
-logger = logging.getLogger(__name__)
 
 PLACEMENT_TIMEOUT_S = 60.0
 """How long to wait for the cluster to find room for every rank."""
@@ -75,14 +71,13 @@ class RayWorker:
         return None if self.rank and method == "execute_model" else result
 
 
-class RayExecutor(Executor):
+class RayExecutor(DistributedExecutor):
     def __init__(self, config: EngineConfig) -> None:
         ray = import_ray()
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self._ray = ray
-        self._dead: str | None = None
         if not ray.is_initialized():
             ray.init()
         world_size = config.tensor_parallel_size
@@ -120,15 +115,6 @@ class RayExecutor(Executor):
             self.shutdown()
             raise
 
-    def get_kv_cache_specs(self) -> dict[str, KVCacheSpec]:
-        return self._call("get_kv_cache_specs")
-
-    def determine_num_blocks(self) -> int:
-        return min(self._call_all("determine_num_blocks"))
-
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        self._call_all("initialize_kv_cache", num_blocks)
-
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self._call("execute_model", self._ray.put(scheduler_output))
 
@@ -143,12 +129,7 @@ class RayExecutor(Executor):
         self._dead = self._dead or "the executor was shut down"
         self._finalizer()
 
-    def _call(self, method: str, *args: Any) -> Any:
-        return self._call_all(method, *args)[0]
-
-    def _call_all(self, method: str, *args: Any) -> list[Any]:
-        if self._dead is not None:
-            raise ExecutorDeadError(self._dead)
+    def _run_all(self, method: str, args: tuple[Any, ...]) -> list[Any]:
         return self._get([w.execute_method.remote(method, *args) for w in self.workers], method)
 
     def _get(self, refs: list[Any], method: str) -> list[Any]:
@@ -169,12 +150,6 @@ class RayExecutor(Executor):
                 except ray.exceptions.RayTaskError as e:
                     self._fail(f"tensor-parallel worker rank {rank} failed in {method}:\n{e}")
         return results
-
-    def _fail(self, reason: str) -> None:
-        logger.error("%s; stopping every worker", reason)
-        self._dead = reason
-        self._finalizer()
-        raise ExecutorDeadError(reason)
 
 
 def _release(ray: Any, workers: list[Any], placement: Any, remove_placement_group: Any) -> None:
