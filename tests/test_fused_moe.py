@@ -10,7 +10,12 @@ import transformers
 
 from tokenmill.attention_backends.torch_ref import TorchRefBackend
 from tokenmill.layers.build_context import BuildContext, model_build_context
-from tokenmill.layers.fused_moe import FusedMoE, fused_experts_sorted, select_experts
+from tokenmill.layers.fused_moe import (
+    FusedMoE,
+    run_experts_sorted,
+    select_experts,
+    stacked_expert_mlp,
+)
 
 E, H, I = 8, 32, 16
 
@@ -38,7 +43,7 @@ def test_sorted_experts_equal_loop_reference_with_idle_experts():
     # experts 2, 5 and 7 get no token; expert 0 gets several
     topk_ids = torch.tensor([[0, 1], [0, 3], [4, 0], [6, 1], [3, 4], [0, 6], [1, 3]])
     topk_weights = torch.rand(7, 2, generator=gen)
-    out = fused_experts_sorted(x, w13, w2, topk_weights, topk_ids)
+    out = run_experts_sorted(x, topk_weights, topk_ids, E, stacked_expert_mlp(w13, w2))
     assert (out - loop_reference(x, w13, w2, topk_weights, topk_ids)).abs().max() < 1e-5
 
 

@@ -111,17 +111,11 @@ def run_experts_sorted(
     return unsorted.view(num_tokens, top_k, -1).sum(dim=1)
 
 
-def fused_experts_sorted(
-    hidden_states: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-) -> torch.Tensor:
-    """SwiGLU experts by :func:`run_experts_sorted` on the stacked weights, each GEMM computed
-    as ``W·xᵀ`` (the weight on the left): for the few rows a decode step gives an expert, MKL
-    ran that 2-4x faster than ``x·Wᵀ`` on 2 cores (4 to 64 rows), and no slower for
-    prefill-sized groups. [T, H] in, [T, H] out."""
+def stacked_expert_mlp(w13: torch.Tensor, w2: torch.Tensor) -> ExpertMLP:
+    """The experts of stacked weights ``w13`` [E, 2I, H] and ``w2`` [E, H, I], each GEMM
+    computed as ``W·xᵀ`` (the weight on the left): for the few rows a decode step gives an
+    expert, MKL ran that 2-4x faster than ``x·Wᵀ`` on 2 cores (4 to 64 rows), and no slower
+    for prefill-sized groups."""
     inter = w2.shape[2]
 
     def expert_mlp(expert: int, x: torch.Tensor) -> torch.Tensor:
@@ -129,14 +123,14 @@ def fused_experts_sorted(
         act = F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])
         return torch.mm(w2[expert], act.t()).t()
 
-    return run_experts_sorted(hidden_states, topk_weights, topk_ids, w13.shape[0], expert_mlp)
+    return expert_mlp
 
 
 class UnquantizedFusedMoEMethod:
     """How a :class:`FusedMoE` layer computes its routed experts from its float weights: the
-    Triton fused-MoE kernel on CUDA, :func:`fused_experts_sorted` elsewhere. A platform's op
-    table may name a subclass under ``"unquantized_fused_moe"`` (made with no arguments per
-    layer), e.g. to repack the weights for its GEMM library."""
+    Triton fused-MoE kernel on CUDA, :func:`run_experts_sorted` with :meth:`expert_mlp`
+    elsewhere. A platform's op table may name a subclass under ``"unquantized_fused_moe"``
+    (made with no arguments per layer), e.g. to repack the weights for its GEMM library."""
 
     @staticmethod
     def for_platform() -> UnquantizedFusedMoEMethod:
@@ -146,6 +140,10 @@ class UnquantizedFusedMoEMethod:
     def process_weights_after_loading(self, layer: FusedMoE) -> None:
         """Repack ``layer``'s stacked weights once the checkpoint is in (the model loader
         calls it)."""
+
+    def expert_mlp(self, layer: FusedMoE, hidden_states: torch.Tensor) -> ExpertMLP:
+        """The per-expert computation for ``hidden_states``: :func:`stacked_expert_mlp`."""
+        return stacked_expert_mlp(layer.w13_weight, layer.w2_weight)
 
     def apply(
         self,
@@ -161,8 +159,9 @@ class UnquantizedFusedMoEMethod:
             return fused_experts_triton(
                 hidden_states, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids
             )
-        return fused_experts_sorted(
-            hidden_states, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids
+        return run_experts_sorted(
+            hidden_states, topk_weights, topk_ids, layer.num_experts,
+            self.expert_mlp(layer, hidden_states),
         )
 
 
