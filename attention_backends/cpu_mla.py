@@ -7,7 +7,8 @@ with a query of the latent's size, which is multi-query attention with one KV he
 and values are both the latent: the C kernel of ``tokenmill.ops.cpu`` runs it straight from the
 paged blocks (no gather of each request's context, no padding), and the values' rope part it
 also attends over is dropped before ``W_UV``. Prefill chunks decompress through ``kv_b_proj``:
-a fresh prompt from its own latents, a chunk on a cached prefix from whole gathered blocks. An
+fresh prompts from their own latents (all of a step's in one GEMM) and attend causally, a chunk
+on a cached prefix from whole gathered blocks under its mask. An
 FP8 cache is read by the kernel directly; the fresh-prompt path rounds its latents through float8
 as a later read would.
 """
@@ -18,7 +19,6 @@ import torch
 
 from tokenmill.attention_backends.cpu_sdpa import CpuBackend, CpuSdpaMetadata, DecodeBatch
 from tokenmill.attention_backends.torch_mla import TorchMLABackend, TorchMLAImpl
-from tokenmill.attention_backends.torch_ref import causal_mask
 from tokenmill.interfaces.attention import AttentionImpl
 from tokenmill.ops import cpu as cpu_ops
 from tokenmill.quant import kv_cache as kv_quant
@@ -39,18 +39,20 @@ class CpuMLAImpl(TorchMLAImpl):
         md = attn_metadata
         self.write(key, value, kv_cache, md.slot_mapping)
         plan = md.plan(None)
+        fresh = [chunk for chunk in plan.prefills if chunk.block_ids is None]
+        if fresh:  # fresh prompts: one decompression of all their new latents
+            first, last = fresh[0].token_start, fresh[-1].token_end
+            new = torch.cat((key[first:last], value[first:last]), dim=-1)
+            new_k, new_v = self.decompress(kv_quant.round_trip(new, self.k_scale, kv_cache.dtype))
         for chunk in plan.prefills:
             s, e = chunk.token_start, chunk.token_end
             if chunk.block_ids is None:
-                new = torch.cat((key[s:e], value[s:e]), dim=-1)
-                latents = kv_quant.round_trip(new, self.k_scale, kv_cache.dtype)
-                pos = torch.arange(e - s, device=query.device)
-                mask = causal_mask(pos, pos, None)
+                rows = slice(s - first, e - first)
+                output[s:e] = self.attend(query[s:e], new_k[rows], new_v[rows], None)
             else:
                 blocks = kv_cache.index_select(0, chunk.block_ids).flatten(0, 1)
-                mask = chunk.mask
-                latents = kv_quant.read(blocks[: mask.shape[1]], self.k_scale, query.dtype)
-            output[s:e] = self.attend_decompressed(query[s:e], latents, mask)
+                latents = kv_quant.read(blocks[: chunk.mask.shape[1]], self.k_scale, query.dtype)
+                output[s:e] = self.attend_decompressed(query[s:e], latents, chunk.mask)
         if plan.decode is not None:
             output[plan.decode.token_idx] = self._decode(query, kv_cache, plan.decode)
         return output

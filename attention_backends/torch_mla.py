@@ -29,7 +29,6 @@ from tokenmill.attention_backends.torch_ref import (
     TorchRefMetadata,
     TorchRefMetadataBuilder,
     causal_mask,
-    token_major_attention,
 )
 from tokenmill.interfaces.attention import (
     AttentionBackend,
@@ -89,19 +88,42 @@ class TorchMLAImpl(TorchRefImpl):
         """The cached latents at ``slots`` as ``dtype``."""
         return kv_quant.read(cache[slots], self.k_scale, dtype)
 
-    def attend_decompressed(
-        self, q: torch.Tensor, latents: torch.Tensor, mask: torch.Tensor
-    ) -> torch.Tensor:
-        """Queries ``q`` [Q, H, nope+rope] over context latents [S, L+R] with ``mask`` [Q, S],
-        keys and values decompressed through ``kv_b_proj``: [Q, H, v]."""
+    def decompress(self, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of latents [S, L+R] through ``kv_b_proj``, both [S, H, nope+rope]:
+        the values zero-padded from ``v_head_dim`` to the keys' size, since PyTorch's fused CPU
+        attention kernel runs 2-3x slower when the value head size differs from the query's
+        (256 tokens, 16 heads, 96 vs 64)."""
         num_ctx = latents.shape[0]
-        kv = F.linear(latents[:, : self.kv_lora_rank], self.kv_b_proj.weight).view(
+        kv = self.kv_b_proj(latents[:, : self.kv_lora_rank]).view(
             num_ctx, self.num_heads, self.qk_nope_head_dim + self.v_head_dim
         )
         k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
         k_pe = latents[:, None, self.kv_lora_rank :].expand(-1, self.num_heads, -1)
         k = torch.cat((k_nope, k_pe), dim=-1)
-        return token_major_attention(q, k, v, mask, self.scale)
+        return k, F.pad(v, (0, k.shape[-1] - self.v_head_dim))
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Queries ``q`` [Q, H, nope+rope] over keys and (padded) values from
+        :meth:`decompress` [S, H, nope+rope], with ``mask`` [Q, S], or plain causal attention
+        (Q == S) when ``mask`` is None: [Q, H, v]. SDPA gets 4-D inputs (its fused kernel)."""
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None],
+            k.transpose(0, 1)[None],
+            v.transpose(0, 1)[None],
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=self.scale,
+        )
+        return out[0, ..., : self.v_head_dim].transpose(0, 1)
+
+    def attend_decompressed(
+        self, q: torch.Tensor, latents: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """Queries ``q`` [Q, H, nope+rope] over context latents [S, L+R] with ``mask`` [Q, S],
+        keys and values decompressed through ``kv_b_proj``: [Q, H, v]."""
+        return self.attend(q, *self.decompress(latents), mask)
 
     def absorb_query(self, q: torch.Tensor) -> torch.Tensor:
         """[B, H, nope+rope] -> [B, H, L+R]: ``q_nope·W_UK`` then the rope part."""

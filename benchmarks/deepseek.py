@@ -4,8 +4,9 @@ cache's peak memory vs the MHA-equivalent layout.
 The model (hidden 1024, 8 layers, 16 heads, q_lora 384, kv_lora 256 + rope 32, 32 routed
 experts top-4 in 2 groups, 1 shared expert, one dense first layer) is built by transformers
 with random weights and saved to a temporary directory. Both engines generate greedily with
-``ignore_eos`` from the same random prompts; HF runs in batches of ``--hf-batch-size`` (equal
-lengths, so no padding). Prints one JSON line.
+``ignore_eos`` from the same random prompts; HF runs in batches of ``--hf-batch-size`` (all 32
+at once by default; equal lengths, so no padding) with ``min_new_tokens`` so that it too
+produces every output token. Prints one JSON line.
 
     python benchmarks/deepseek.py                     # 32 requests x (256 in, 128 out)
     python benchmarks/deepseek.py --num-prompts 4 --input-len 32 --output-len 8   # smoke run
@@ -20,6 +21,8 @@ import time
 
 import torch
 import transformers
+
+from tokenmill.testing.checkpoints import NO_SPECIAL_TOKENS
 
 
 def save_model(path: str, vocab_size: int) -> transformers.DeepseekV3Config:
@@ -44,9 +47,7 @@ def save_model(path: str, vocab_size: int) -> transformers.DeepseekV3Config:
         first_k_dense_replace=1,
         num_nextn_predict_layers=0,
         max_position_embeddings=4096,
-        eos_token_id=None,
-        bos_token_id=None,
-        pad_token_id=None,
+        **NO_SPECIAL_TOKENS,
     )
     torch.manual_seed(0)
     transformers.DeepseekV3ForCausalLM(config).to(torch.float32).save_pretrained(path)
@@ -103,7 +104,7 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--vocab-size", type=int, default=32000)
-    parser.add_argument("--hf-batch-size", type=int, default=16)
+    parser.add_argument("--hf-batch-size", type=int, default=32)
     parser.add_argument("--skip-hf", action="store_true", help="run tokenmill only")
     args = parser.parse_args()
     gen = torch.Generator().manual_seed(0)

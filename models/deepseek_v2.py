@@ -24,10 +24,10 @@ from tokenmill.layers.layernorm import RMSNorm
 from tokenmill.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from tokenmill.layers.mla_attention import MLAAttention
 from tokenmill.layers.rotary_embedding import get_rope, rope_config, yarn_get_mscale
-from tokenmill.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
-from tokenmill.model_loader.weights import default_weight_loader
+from tokenmill.layers.vocab_embedding import VocabParallelEmbedding
+from tokenmill.model_loader.weights import default_weight_loader, find_param
 from tokenmill.quant.kv_cache import load_kv_scale
-from tokenmill.models.llama import LlamaMLP, maybe_prefix
+from tokenmill.models.llama import CausalLM, LlamaMLP, PreNormDecoderLayer, maybe_prefix
 
 
 def softmax_scale(config: Any) -> float:
@@ -185,9 +185,8 @@ class DeepseekV2MoE(nn.Module):
         return self.experts(hidden_states, router_logits)
 
 
-class DeepseekV2DecoderLayer(nn.Module):
-    """Pre-norm MLA + (MoE or dense SwiGLU) block with the residual carried through the
-    fused-add RMSNorms."""
+class DeepseekV2DecoderLayer(PreNormDecoderLayer):
+    """Pre-norm MLA + (MoE or dense SwiGLU) block."""
 
     def __init__(self, config: Any, prefix: str = "", *, layer_idx: int, v3: bool) -> None:
         super().__init__()
@@ -203,18 +202,6 @@ class DeepseekV2DecoderLayer(nn.Module):
             )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(
-        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
 
 
 class DeepseekV2Model(nn.Module):
@@ -260,14 +247,6 @@ def load_deepseek_weights(
     seen: dict[str, set] = defaultdict(set)
     loaded: set[str] = set()
 
-    def param(name: str) -> nn.Parameter:
-        try:
-            return params[name]
-        except KeyError:
-            raise ValueError(
-                f"checkpoint weight {name!r} has no matching parameter in {type(model).__name__}"
-            ) from None
-
     for name, tensor in weights:
         if "rotary_emb.inv_freq" in name or (skip is not None and skip(name)):
             continue
@@ -279,7 +258,7 @@ def load_deepseek_weights(
         for fused, original, shard in _GATE_UP_MAPPING:
             if original in name and not _ROUTED_EXPERT.search(name):
                 name = name.replace(original, fused)
-                p = param(name)
+                p = find_param(model, params, name)
                 p.weight_loader(p, tensor, shard)
                 seen[name].add(shard)
                 if len(seen[name]) == 2:
@@ -289,44 +268,27 @@ def load_deepseek_weights(
             for param_prefix, ckpt_prefix, expert, shard in expert_mapping:
                 if ckpt_prefix in name:
                     name = name.replace(ckpt_prefix, param_prefix)
-                    p = param(name)
+                    p = find_param(model, params, name)
                     p.weight_loader(p, tensor, expert, shard)
                     seen[name].add((expert, shard))
                     if len(seen[name]) == num_experts * (2 if param_prefix.endswith("w13_") else 1):
                         loaded.add(name)
                     break
             else:
-                p = param(name)
+                p = find_param(model, params, name)
                 getattr(p, "weight_loader", default_weight_loader)(p, tensor)
                 loaded.add(name)
     return loaded
 
 
-class DeepseekV2ForCausalLM(nn.Module):
-    """DeepSeek-V2 (softmax routing): ``forward`` returns last-layer hidden states [T, hidden];
-    ``compute_logits`` the float32 logits of the rows the sampler needs."""
+class DeepseekV2ForCausalLM(CausalLM):
+    """DeepSeek-V2 (softmax routing)."""
 
     is_v3: ClassVar[bool] = False
 
     def __init__(self, config: Any, prefix: str = "") -> None:
-        super().__init__()
-        self.config = config
-        self.model = DeepseekV2Model(config, prefix=maybe_prefix(prefix, "model"), v3=self.is_v3)
-        self.lm_head = ParallelLMHead(
-            config.vocab_size, config.hidden_size, prefix=maybe_prefix(prefix, "lm_head")
-        )
-        if self.tie_word_embeddings:
-            self.lm_head.tie_weights(self.model.embed_tokens)
-
-    @property
-    def tie_word_embeddings(self) -> bool:
-        return bool(getattr(self.config, "tie_word_embeddings", False))
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.compute_logits(hidden_states)
+        model = DeepseekV2Model(config, prefix=maybe_prefix(prefix, "model"), v3=self.is_v3)
+        super().__init__(config, model, prefix)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load the decoder stack; MTP layers (index ≥ ``num_hidden_layers``) are skipped."""

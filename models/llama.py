@@ -24,7 +24,7 @@ from tokenmill.layers.linear import (
 )
 from tokenmill.layers.rotary_embedding import get_rope, rope_config
 from tokenmill.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
-from tokenmill.model_loader.weights import default_weight_loader
+from tokenmill.model_loader.weights import default_weight_loader, find_param
 from tokenmill.quant.kv_cache import load_kv_scale
 
 
@@ -125,9 +125,34 @@ class LlamaAttention(nn.Module):
         return self.o_proj(self.attn(q, k, v))
 
 
-class LlamaDecoderLayer(nn.Module):
-    """Pre-norm attention + MLP block; the residual stream is carried through the fused
-    add in each RMSNorm."""
+class PreNormDecoderLayer(nn.Module):
+    """Pre-norm attention + MLP block; the residual stream is carried through the fused add in
+    each RMSNorm. Subclasses build ``self_attn`` (``(positions, hidden) -> hidden``), ``mlp``,
+    ``input_layernorm`` and ``post_attention_layernorm``."""
+
+    self_attn: nn.Module
+    mlp: nn.Module
+    input_layernorm: RMSNorm
+    post_attention_layernorm: RMSNorm
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class LlamaDecoderLayer(PreNormDecoderLayer):
+    """Llama's decoder block: QKV attention and the SwiGLU MLP."""
 
     @staticmethod
     def attention_biases(config: Any) -> tuple[bool, bool]:
@@ -160,21 +185,6 @@ class LlamaDecoderLayer(nn.Module):
         )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(
-        self,
-        positions: torch.Tensor,
-        hidden_states: torch.Tensor,
-        residual: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
 
 
 class LlamaModel(nn.Module):
@@ -216,9 +226,36 @@ class LlamaModel(nn.Module):
         return hidden_states
 
 
-class LlamaForCausalLM(nn.Module):
-    """Llama causal LM: ``forward`` returns last-layer hidden states [T, hidden];
-    ``compute_logits`` turns the rows the sampler needs into float32 logits."""
+class CausalLM(nn.Module):
+    """A decoder stack ``model`` (with ``embed_tokens``) under an LM head, tied to the
+    embedding when the config says so: ``forward`` returns the stack's last-layer hidden
+    states [T, hidden]; ``compute_logits`` turns the rows the sampler needs into float32
+    logits."""
+
+    def __init__(self, config: Any, model: nn.Module, prefix: str = "") -> None:
+        super().__init__()
+        self.config = config
+        self.model = model
+        self.lm_head = ParallelLMHead(
+            config.vocab_size, config.hidden_size, prefix=maybe_prefix(prefix, "lm_head")
+        )
+        if self.tie_word_embeddings:
+            self.lm_head.tie_weights(self.model.embed_tokens)
+
+    @property
+    def tie_word_embeddings(self) -> bool:
+        return bool(getattr(self.config, "tie_word_embeddings", False))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> Any:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden_states)
+
+
+class LlamaForCausalLM(CausalLM):
+    """Llama causal LM; with ``set_aux_hidden_state_layers``, ``forward`` also returns the
+    residual stream EAGLE-3 heads read."""
 
     layer_type: ClassVar[type[LlamaDecoderLayer]] = LlamaDecoderLayer
 
@@ -232,25 +269,8 @@ class LlamaForCausalLM(nn.Module):
     ]
 
     def __init__(self, config: Any, prefix: str = "") -> None:
-        super().__init__()
-        self.config = config
-        self.model = LlamaModel(
-            config, prefix=maybe_prefix(prefix, "model"), layer_type=self.layer_type
-        )
-        self.lm_head = ParallelLMHead(
-            config.vocab_size, config.hidden_size, prefix=maybe_prefix(prefix, "lm_head")
-        )
-        if self.tie_word_embeddings:
-            self.lm_head.tie_weights(self.model.embed_tokens)
-
-    @property
-    def tie_word_embeddings(self) -> bool:
-        return bool(getattr(self.config, "tie_word_embeddings", False))
-
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        return self.model(input_ids, positions)
+        model = LlamaModel(config, prefix=maybe_prefix(prefix, "model"), layer_type=self.layer_type)
+        super().__init__(config, model, prefix)
 
     def set_aux_hidden_state_layers(self, layers: tuple[int, ...]) -> None:
         """Make ``forward`` also return the residual stream entering ``layers`` (what an
@@ -264,9 +284,6 @@ class LlamaForCausalLM(nn.Module):
         """The low, middle and high layers EAGLE-3 heads are trained on, as vLLM picks them."""
         n = len(self.model.layers)
         return (2, n // 2, n - 3)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.compute_logits(hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load HF-named tensors, fusing q/k/v and gate/up into their stacked parameters.
@@ -287,26 +304,17 @@ class LlamaForCausalLM(nn.Module):
             for fused, original, shard_id in self.stacked_params_mapping:
                 if original in name:
                     name = name.replace(original, fused)
-                    param = self._param(params, name)
+                    param = find_param(self, params, name)
                     param.weight_loader(param, tensor, shard_id)
                     shards_seen[name].add(shard_id)
                     if shards_seen[name] == all_shards[fused]:
                         loaded.add(name)
                     break
             else:
-                param = self._param(params, name)
+                param = find_param(self, params, name)
                 getattr(param, "weight_loader", default_weight_loader)(param, tensor)
                 loaded.add(name)
         return loaded
-
-    def _param(self, params: dict[str, nn.Parameter], name: str) -> nn.Parameter:
-        try:
-            return params[name]
-        except KeyError:
-            raise ValueError(
-                f"checkpoint weight {name!r} has no matching parameter in "
-                f"{type(self).__name__}"
-            ) from None
 
 
 class MistralForCausalLM(LlamaForCausalLM):

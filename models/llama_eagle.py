@@ -57,8 +57,6 @@ class EagleHead(nn.Module):
     def tie_word_embeddings(self) -> bool:
         return False
 
-    _param = LlamaForCausalLM._param
-
 
 class EagleLlamaForCausalLM(EagleHead):
     """EAGLE-1: ``fc`` over ``[embedding ‖ hidden]`` then ``num_hidden_layers`` Llama decoder

@@ -75,6 +75,7 @@ class CpuPlatform(Platform):
         "silu_and_mul": silu_and_mul,
         "rotary_embedding": rotary_embedding,
         "unquantized_linear": "tokenmill.platforms.cpu_linear:OneDNNLinearMethod",
+        "unquantized_fused_moe": "tokenmill.platforms.cpu_fused_moe:OneDNNFusedMoEMethod",
     }
 
     @classmethod

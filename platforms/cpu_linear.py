@@ -28,6 +28,18 @@ def onednn_usable(weight: torch.Tensor) -> bool:
     )
 
 
+def onednn_pack(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [out, in] reordered into oneDNN's blocked layout for this CPU."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight)
+
+
+def onednn_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x @ W.T + b`` with ``packed`` from :func:`onednn_pack`; ``x`` float32."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
 class OneDNNLinearMethod(UnquantizedLinearMethod):
     """``x @ W.T + b`` by oneDNN on a packed copy of ``layer.weight`` made after loading;
     ``F.linear`` before that, for weights oneDNN does not take and for inputs not float32."""
@@ -37,9 +49,9 @@ class OneDNNLinearMethod(UnquantizedLinearMethod):
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         weight = layer.weight.detach()
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight) if onednn_usable(weight) else None
+        self.packed = onednn_pack(weight) if onednn_usable(weight) else None
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.packed is None or x.dtype != torch.float32 or x.shape[-1] != self.packed.shape[1]:
             return F.linear(x, layer.weight, bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+        return onednn_linear(x, self.packed, bias)

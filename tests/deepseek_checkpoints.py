@@ -7,13 +7,12 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
+from tokenmill.testing.checkpoints import TINY_CONFIG
+
 COMMON = dict(
-    vocab_size=256,
-    hidden_size=64,
+    TINY_CONFIG,
     intermediate_size=96,
     moe_intermediate_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=4,
     num_key_value_heads=4,
     kv_lora_rank=16,
     qk_nope_head_dim=16,
@@ -22,10 +21,6 @@ COMMON = dict(
     n_routed_experts=8,
     num_experts_per_tok=2,
     max_position_embeddings=1024,
-    initializer_range=0.2,
-    eos_token_id=None,
-    bos_token_id=None,
-    pad_token_id=None,
 )
 
 CONFIGS = {

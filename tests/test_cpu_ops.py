@@ -97,7 +97,9 @@ def test_disabled_kernels_fall_back(monkeypatch):
 
 
 def test_op_table_calls_the_kernels(kernel_calls):
-    assert set(CpuPlatform.get_ops()) == {"rms_norm", "silu_and_mul", "rotary_embedding", "unquantized_linear"}
+    assert set(CpuPlatform.get_ops()) == {
+        "rms_norm", "silu_and_mul", "rotary_embedding", "unquantized_linear", "unquantized_fused_moe"
+    }
     norm, x = make_norm(16), torch.randn(4, 16)
     torch.testing.assert_close(norm(x), norm.forward_native(x))
     norm(x.clone(), x.clone())

@@ -3,7 +3,6 @@ cache's size, the absorbed decode and the MLA backend selection."""
 
 from __future__ import annotations
 
-import math
 import random
 
 import pytest
@@ -11,14 +10,13 @@ import torch
 
 from conftest import assert_greedy_close, hf_greedy
 from deepseek_checkpoints import COMMON, save_deepseek
+from paged_forward import run_paged_forward
 from tokenmill import LLM, SamplingParams
 from tokenmill.attention_backends.cpu_mla import CpuMLABackend
 from tokenmill.attention_backends.torch_mla import TorchMLABackend, TorchMLAImpl
-from tokenmill.forward_context import set_forward_context
-from tokenmill.interfaces.attention import AttentionConfig, CommonAttentionMetadata
+from tokenmill.interfaces.attention import AttentionConfig
 from tokenmill.interfaces.kv_cache_spec import FullAttentionSpec, MLAAttentionSpec
 from tokenmill.layers.build_context import BuildContext
-from tokenmill.layers.mla_attention import MLAAttention
 from tokenmill.model_loader import load_hf_config, load_model
 from tokenmill.platforms.cpu import CpuPlatform
 from tokenmill.selector import choose_attention_backend
@@ -69,33 +67,6 @@ def test_greedy_matches_hf_under_preemption(checkpoint):
     assert llm.get_stats()["num_preemptions"] > 0
 
 
-def _run_forward(model, token_ids: torch.Tensor, chunks: list[int]) -> torch.Tensor:
-    """One request's tokens in ``chunks`` through a fresh paged latent cache: every logit."""
-    layers = [m for m in model.modules() if isinstance(m, MLAAttention)]
-    num_blocks = math.ceil(len(token_ids) / BLOCK_SIZE)
-    for layer in layers:
-        layer.kv_cache = torch.zeros(
-            TorchMLABackend.get_kv_cache_shape(num_blocks, BLOCK_SIZE, 1, layer.head_size)
-        )
-    spec = layers[0].get_kv_cache_spec(BLOCK_SIZE, torch.float32)
-    builder = TorchMLABackend.get_metadata_builder_cls()(spec, torch.device("cpu"))
-    block_table = torch.randperm(num_blocks, dtype=torch.int32)[None]
-    logits, done = [], 0
-    for n in chunks:
-        positions = torch.arange(done, done + n)
-        slots = block_table[0, positions // BLOCK_SIZE].long() * BLOCK_SIZE + positions % BLOCK_SIZE
-        qsl = torch.tensor([0, n], dtype=torch.int32)
-        seq_lens = torch.tensor([done + n], dtype=torch.int32)
-        common = CommonAttentionMetadata(
-            qsl, qsl, seq_lens, seq_lens, torch.tensor([done], dtype=torch.int32),
-            block_table, slots, 1, n, n, done + n,
-        )
-        with torch.inference_mode(), set_forward_context(builder.build(common)):
-            logits.append(model.compute_logits(model(token_ids[done : done + n], positions)))
-        done += n
-    return torch.cat(logits)
-
-
 def test_prefill_and_decode_logits_match_hf(checkpoint):
     version, path, hf, _, _ = checkpoint
     config = load_hf_config(path)
@@ -104,9 +75,9 @@ def test_prefill_and_decode_logits_match_hf(checkpoint):
     token_ids = torch.randint(0, COMMON["vocab_size"], (24,), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         expected = hf(token_ids[None]).logits[0].float()
-    assert (_run_forward(model, token_ids, [24]) - expected).abs().max() < 1e-4
+    assert (run_paged_forward(model, TorchMLABackend, token_ids, [24], BLOCK_SIZE) - expected).abs().max() < 1e-4
     # a prefix chunk, single-token (absorbed) decodes, then a chunk over cached latents
-    assert (_run_forward(model, token_ids, [13, 1, 1, 9]) - expected).abs().max() < 1e-4
+    assert (run_paged_forward(model, TorchMLABackend, token_ids, [13, 1, 1, 9], BLOCK_SIZE) - expected).abs().max() < 1e-4
 
 
 def test_v3_layout(tmp_path):
@@ -165,7 +136,8 @@ def test_absorbed_decode_equals_decompressed():
     mask = torch.arange(ctx)[None, :] < lens[:, None]
     absorbed = impl.attend_absorbed(q, latents, mask)
     for b in range(batch):
-        ref = impl.attend_decompressed(q[b : b + 1], latents[b, : lens[b]], None)
+        everything = torch.ones(1, int(lens[b]), dtype=torch.bool)
+        ref = impl.attend_decompressed(q[b : b + 1], latents[b, : lens[b]], everything)
         assert (absorbed[b] - ref[0]).abs().max() < 1e-4
 
 

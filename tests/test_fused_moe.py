@@ -10,7 +10,12 @@ import transformers
 
 from tokenmill.attention_backends.torch_ref import TorchRefBackend
 from tokenmill.layers.build_context import BuildContext, model_build_context
-from tokenmill.layers.fused_moe import FusedMoE, fused_experts_sorted, select_experts
+from tokenmill.layers.fused_moe import (
+    FusedMoE,
+    run_experts_sorted,
+    select_experts,
+    stacked_expert_mlp,
+)
 
 E, H, I = 8, 32, 16
 
@@ -38,7 +43,7 @@ def test_sorted_experts_equal_loop_reference_with_idle_experts():
     # experts 2, 5 and 7 get no token; expert 0 gets several
     topk_ids = torch.tensor([[0, 1], [0, 3], [4, 0], [6, 1], [3, 4], [0, 6], [1, 3]])
     topk_weights = torch.rand(7, 2, generator=gen)
-    out = fused_experts_sorted(x, w13, w2, topk_weights, topk_ids)
+    out = run_experts_sorted(x, topk_weights, topk_ids, E, stacked_expert_mlp(w13, w2))
     assert (out - loop_reference(x, w13, w2, topk_weights, topk_ids)).abs().max() < 1e-5
 
 
@@ -102,6 +107,30 @@ def test_fused_moe_layer_loads_per_expert_tensors_and_adds_shared():
     expected = loop_reference(x, w13, w2, weights, ids) + shared(x)
     with torch.no_grad():
         assert (moe(x, logits) - expected).abs().max() < 1e-5
+
+
+def test_cpu_onednn_experts_equal_loop_reference_with_idle_experts():
+    """The CPU platform's method on per-expert weights packed at load."""
+    from tokenmill.platforms.cpu import CpuPlatform
+    from tokenmill.platforms.cpu_fused_moe import OneDNNFusedMoEMethod
+
+    w13, w2 = _weights(6)
+    with model_build_context(BuildContext(TorchRefBackend, ops=CpuPlatform.get_ops())):
+        moe = FusedMoE(E, 2, H, I)
+    assert isinstance(moe.moe_method, OneDNNFusedMoEMethod) and moe.moe_method.packed is None
+    moe.w13_weight.data.copy_(w13)
+    moe.w2_weight.data.copy_(w2)
+    moe.moe_method.process_weights_after_loading(moe)
+    assert moe.moe_method.packed is not None
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(7, H, generator=gen)
+    topk_ids = torch.tensor([[0, 1], [0, 3], [4, 0], [6, 1], [3, 4], [0, 6], [1, 3]])
+    topk_weights = torch.rand(7, 2, generator=gen)
+    expected = loop_reference(x, w13, w2, topk_weights, topk_ids)
+    out = moe.moe_method.apply(moe, x, topk_weights, topk_ids)
+    assert (out - expected).abs().max() < 1e-5
+    moe.w13_weight.data.zero_()  # the packed copies were taken at load
+    assert (moe.moe_method.apply(moe, x, topk_weights, topk_ids) - expected).abs().max() < 1e-5
 
 
 def test_triton_fused_moe_matches_loop_reference():

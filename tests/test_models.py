@@ -4,7 +4,6 @@ model loader and run on the reference attention backend: logits must match HF's.
 from __future__ import annotations
 
 import faulthandler
-import math
 import subprocess
 import sys
 
@@ -15,10 +14,8 @@ import torch.multiprocessing as mp
 import transformers
 from safetensors.torch import load_file, save_file
 
+from paged_forward import run_paged_forward
 from tokenmill.attention_backends.torch_ref import TorchRefBackend
-from tokenmill.forward_context import set_forward_context
-from tokenmill.interfaces.attention import CommonAttentionMetadata
-from tokenmill.layers.attention import Attention
 from tokenmill.layers.build_context import BuildContext
 from tokenmill.model_loader import load_hf_config, load_model
 
@@ -82,48 +79,6 @@ def _save_tiny(tmp_path, config_name: str, model_name: str, overrides: dict):
     return hf_model
 
 
-def run_engine_forward(model: torch.nn.Module, token_ids: torch.Tensor, chunks: list[int]):
-    """Feed one request's tokens in ``chunks`` (prefill, then decode-sized steps) through a
-    fresh paged KV cache; return the logits of every token."""
-    layers = [m for m in model.modules() if isinstance(m, Attention)]
-    num_blocks = math.ceil(len(token_ids) / BLOCK_SIZE)
-    assert len({layer.layer_name for layer in layers}) == len(layers), "layer names must be unique"
-    for layer in layers:
-        layer.kv_cache = torch.zeros(
-            TorchRefBackend.get_kv_cache_shape(
-                num_blocks, BLOCK_SIZE, layer.num_kv_heads, layer.head_size
-            )
-        )
-    spec = layers[0].get_kv_cache_spec(BLOCK_SIZE, torch.float32)
-    builder = TorchRefBackend.get_metadata_builder_cls()(spec, torch.device("cpu"))
-    block_table = torch.randperm(num_blocks, dtype=torch.int32)[None]
-
-    logits, done = [], 0
-    for n in chunks:
-        positions = torch.arange(done, done + n)
-        slots = block_table[0, positions // BLOCK_SIZE].long() * BLOCK_SIZE + positions % BLOCK_SIZE
-        qsl = torch.tensor([0, n], dtype=torch.int32)
-        seq_lens = torch.tensor([done + n], dtype=torch.int32)
-        common = CommonAttentionMetadata(
-            query_start_loc=qsl,
-            query_start_loc_cpu=qsl,
-            seq_lens=seq_lens,
-            seq_lens_cpu=seq_lens,
-            num_computed_tokens_cpu=torch.tensor([done], dtype=torch.int32),
-            block_table=block_table,
-            slot_mapping=slots,
-            num_reqs=1,
-            num_actual_tokens=n,
-            max_query_len=n,
-            max_seq_len=done + n,
-        )
-        with torch.inference_mode(), set_forward_context(builder.build(common)):
-            hidden = model(token_ids[done : done + n], positions)
-            logits.append(model.compute_logits(hidden))
-        done += n
-    return torch.cat(logits)
-
-
 @pytest.mark.parametrize("case", list(CASES))
 def test_logits_match_transformers(tmp_path, case: str) -> None:
     config_name, model_name, overrides = CASES[case]
@@ -138,11 +93,11 @@ def test_logits_match_transformers(tmp_path, case: str) -> None:
     with torch.inference_mode():
         expected = hf_model(token_ids[None]).logits[0].float()
 
-    full = run_engine_forward(model, token_ids, [20])
+    full = run_paged_forward(model, TorchRefBackend, token_ids, [20], BLOCK_SIZE)
     assert full.shape == (20, TINY["vocab_size"]) and full.dtype == torch.float32
     assert (full - expected).abs().max() < 1e-4
 
-    stepped = run_engine_forward(model, token_ids, [17, 1, 2])
+    stepped = run_paged_forward(model, TorchRefBackend, token_ids, [17, 1, 2], BLOCK_SIZE)
     assert (stepped - expected).abs().max() < 1e-4
 
 
@@ -156,7 +111,7 @@ def _tp_worker(rank: int, store: str, done, jobs: list[tuple[str, torch.Tensor, 
             model = load_model(model_dir, config, BuildContext(TorchRefBackend), "cpu")
             attn = model.model.layers[0].self_attn
             assert attn.num_heads == config.num_attention_heads // 2
-            logits = run_engine_forward(model, token_ids, [17, 1, 2])
+            logits = run_paged_forward(model, TorchRefBackend, token_ids, [17, 1, 2], BLOCK_SIZE)
             if rank == 0:
                 torch.save(logits, out)
         dist.barrier()

@@ -14,10 +14,14 @@ if TYPE_CHECKING:
     from tokenmill.config import EngineConfig
 
 
-OP_NAMES = ("rms_norm", "silu_and_mul", "rotary_embedding", "unquantized_linear")
-"""The ops a platform may replace: one per ``CustomOp`` layer (``tokenmill.layers``), and
+OP_NAMES = (
+    "rms_norm", "silu_and_mul", "rotary_embedding", "unquantized_linear", "unquantized_fused_moe"
+)
+"""The ops a platform may replace: one per ``CustomOp`` layer (``tokenmill.layers``);
 ``unquantized_linear``, the :class:`~tokenmill.interfaces.quantization.LinearMethod` class
-(made with no arguments) of the linear layers and LM head that no quantization method takes."""
+(made with no arguments) of the linear layers and LM head that no quantization method takes;
+and ``unquantized_fused_moe``, the
+:class:`~tokenmill.layers.fused_moe.UnquantizedFusedMoEMethod` class of the MoE layers."""
 
 
 class Platform:

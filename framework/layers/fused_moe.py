@@ -7,12 +7,15 @@ not the weights (DeepSeek-V3), group-limited top-k (``num_expert_group`` groups,
 weights are stacked at load time into ``w13_weight`` [E, 2I, H] (gate rows then up rows) and
 ``w2_weight`` [E, H, I] from per-expert checkpoint tensors.
 
-The CPU computation sorts the (token, expert) pairs by expert and runs one pair of GEMMs per
-expert that received tokens; on CUDA the Triton fused-MoE kernel does the same in one launch
-per GEMM.
+The computation is the layer's ``moe_method`` (:class:`UnquantizedFusedMoEMethod`, or the
+platform's replacement): on the CPU the (token, expert) pairs are sorted by expert and each
+expert that received tokens runs one pair of GEMMs on contiguous rows; on CUDA the Triton
+fused-MoE kernel does the same in one launch per GEMM.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -23,7 +26,7 @@ from tokenmill.distributed.parallel_state import (
     get_tensor_model_parallel_world_size,
     tensor_model_parallel_all_reduce,
 )
-from tokenmill.layers.build_context import current_build_context
+from tokenmill.layers.build_context import current_build_context, current_ops
 
 SCORING_FUNCS = ("softmax", "sigmoid")
 
@@ -74,40 +77,92 @@ def select_experts(
     return topk_weights * routed_scaling_factor, topk_ids
 
 
-def fused_experts_sorted(
+ExpertMLP = Callable[[int, torch.Tensor], torch.Tensor]
+"""``expert_mlp(expert, rows)``: expert ``expert``'s SwiGLU MLP on the [n, H] rows routed to it."""
+
+
+def run_experts_sorted(
     hidden_states: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    num_experts: int,
+    expert_mlp: ExpertMLP,
 ) -> torch.Tensor:
-    """SwiGLU experts over (token, expert) pairs sorted by expert: one gather, one GEMM pair
-    per expert that has tokens, then the weighted rows scattered back to pair order and
-    summed over each token's ``top_k`` (several times faster on the CPU than ``index_add_``).
-    Each GEMM is computed as ``W·xᵀ`` (the weight on the left): for the few rows a decode step
-    gives an expert, MKL ran that 2-4x faster than ``x·Wᵀ`` on 2 cores (4 to 64 rows), and
-    no slower for prefill-sized groups. [T, H] in, [T, H] out."""
+    """Routed experts over (token, expert) pairs sorted by expert: one gather, one
+    ``expert_mlp`` call per expert that has tokens (on contiguous rows), then the weighted rows
+    scattered back to pair order and summed over each token's ``top_k`` (several times faster
+    on the CPU than ``index_add_``). [T, H] in, [T, H] out."""
     num_tokens, top_k = topk_ids.shape
     flat_ids = topk_ids.flatten()
     order = flat_ids.argsort(stable=True)
-    token_idx = order // top_k
-    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
-    x = hidden_states.index_select(0, token_idx)
-    inter = w2.shape[2]
+    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
+    x = hidden_states.index_select(0, order // top_k)
     out = torch.empty_like(x)
     start = 0
     for expert, count in enumerate(counts):
         if count == 0:
             continue
         end = start + count
-        gate_up = torch.mm(w13[expert], x[start:end].t()).t()
-        act = F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])
-        out[start:end] = torch.mm(w2[expert], act.t()).t()
+        out[start:end] = expert_mlp(expert, x[start:end])
         start = end
     out.mul_(topk_weights.flatten()[order].to(out.dtype).unsqueeze(1))
     unsorted = torch.empty_like(out)
     unsorted[order] = out
     return unsorted.view(num_tokens, top_k, -1).sum(dim=1)
+
+
+def stacked_expert_mlp(w13: torch.Tensor, w2: torch.Tensor) -> ExpertMLP:
+    """The experts of stacked weights ``w13`` [E, 2I, H] and ``w2`` [E, H, I], each GEMM
+    computed as ``W·xᵀ`` (the weight on the left): for the few rows a decode step gives an
+    expert, MKL ran that 2-4x faster than ``x·Wᵀ`` on 2 cores (4 to 64 rows), and no slower
+    for prefill-sized groups."""
+    inter = w2.shape[2]
+
+    def expert_mlp(expert: int, x: torch.Tensor) -> torch.Tensor:
+        gate_up = torch.mm(w13[expert], x.t()).t()
+        act = F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])
+        return torch.mm(w2[expert], act.t()).t()
+
+    return expert_mlp
+
+
+class UnquantizedFusedMoEMethod:
+    """How a :class:`FusedMoE` layer computes its routed experts from its float weights: the
+    Triton fused-MoE kernel on CUDA, :func:`run_experts_sorted` with :meth:`expert_mlp`
+    elsewhere. A platform's op table may name a subclass under ``"unquantized_fused_moe"``
+    (made with no arguments per layer), e.g. to repack the weights for its GEMM library."""
+
+    @staticmethod
+    def for_platform() -> UnquantizedFusedMoEMethod:
+        """The platform's ``unquantized_fused_moe`` method if its op table has one, else this."""
+        return current_ops().get("unquantized_fused_moe", UnquantizedFusedMoEMethod)()
+
+    def process_weights_after_loading(self, layer: FusedMoE) -> None:
+        """Repack ``layer``'s stacked weights once the checkpoint is in (the model loader
+        calls it)."""
+
+    def expert_mlp(self, layer: FusedMoE, hidden_states: torch.Tensor) -> ExpertMLP:
+        """The per-expert computation for ``hidden_states``: :func:`stacked_expert_mlp`."""
+        return stacked_expert_mlp(layer.w13_weight, layer.w2_weight)
+
+    def apply(
+        self,
+        layer: FusedMoE,
+        hidden_states: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+    ) -> torch.Tensor:
+        """The routed experts' weighted sum for each token: [T, H] in, [T, H] out."""
+        if hidden_states.is_cuda:
+            from tokenmill.layers.fused_moe_triton import fused_experts_triton
+
+            return fused_experts_triton(
+                hidden_states, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids
+            )
+        return run_experts_sorted(
+            hidden_states, topk_weights, topk_ids, layer.num_experts,
+            self.expert_mlp(layer, hidden_states),
+        )
 
 
 class FusedMoE(nn.Module):
@@ -171,6 +226,7 @@ class FusedMoE(nn.Module):
         self.routed_scaling_factor = routed_scaling_factor
         self.shared_experts = shared_experts
         self.prefix = prefix
+        self.moe_method = UnquantizedFusedMoEMethod.for_platform()
         inter = self.intermediate_size_per_partition
         self.w13_weight = nn.Parameter(
             torch.empty(num_experts, 2 * inter, hidden_size), requires_grad=False
@@ -236,16 +292,7 @@ class FusedMoE(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = self.route(router_logits)
-        if hidden_states.is_cuda:
-            from tokenmill.layers.fused_moe_triton import fused_experts_triton
-
-            out = fused_experts_triton(
-                hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids
-            )
-        else:
-            out = fused_experts_sorted(
-                hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids
-            )
+        out = self.moe_method.apply(self, hidden_states, topk_weights, topk_ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(hidden_states)
         return tensor_model_parallel_all_reduce(out)

@@ -137,7 +137,7 @@ def fused_experts_triton(
     topk_ids: torch.Tensor,
     block_m: int = 16,
 ) -> torch.Tensor:
-    """SwiGLU experts as :func:`~tokenmill.layers.fused_moe.fused_experts_sorted` computes
+    """SwiGLU experts as :func:`~tokenmill.layers.fused_moe.stacked_expert_mlp` computes
     them, in two grouped-GEMM launches. [T, H] in, [T, H] out."""
     num_tokens, top_k = topk_ids.shape
     num_pairs = num_tokens * top_k

@@ -13,6 +13,7 @@ from transformers import AutoConfig, PretrainedConfig
 from tokenmill.interfaces.model import ModelRegistry
 from tokenmill.interfaces.quantization import LinearMethod
 from tokenmill.layers.build_context import BuildContext, model_build_context
+from tokenmill.layers.fused_moe import FusedMoE
 from tokenmill.model_loader.gguf_file import is_gguf_file, iter_gguf_weights
 from tokenmill.model_loader.weights import iter_weights
 
@@ -75,4 +76,6 @@ def load_model(
             method = getattr(module, "linear_method", None)
             if isinstance(method, LinearMethod):
                 method.process_weights_after_loading(module)
+            elif isinstance(module, FusedMoE):
+                module.moe_method.process_weights_after_loading(module)
     return model.eval()

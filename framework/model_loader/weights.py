@@ -62,6 +62,19 @@ def iter_weights(
                     bar.update(1)
 
 
+def find_param(
+    model: torch.nn.Module, params: dict[str, torch.nn.Parameter], name: str
+) -> torch.nn.Parameter:
+    """``params[name]`` (``model``'s named parameters), or a ValueError naming the checkpoint
+    weight that has no parameter."""
+    try:
+        return params[name]
+    except KeyError:
+        raise ValueError(
+            f"checkpoint weight {name!r} has no matching parameter in {type(model).__name__}"
+        ) from None
+
+
 def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
     """Copy a whole checkpoint tensor into a parameter of the same shape."""
     if param.shape != loaded_weight.shape:

@@ -8,6 +8,9 @@ from pathlib import Path
 
 import torch
 
+NO_SPECIAL_TOKENS = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)
+"""Config fields of a random model without special tokens (no EOS: generation runs to length)."""
+
 TINY_CONFIG = dict(
     vocab_size=256,
     hidden_size=64,
@@ -17,9 +20,7 @@ TINY_CONFIG = dict(
     num_key_value_heads=2,
     max_position_embeddings=256,
     initializer_range=0.2,
-    bos_token_id=None,
-    eos_token_id=None,
-    pad_token_id=None,
+    **NO_SPECIAL_TOKENS,
 )
 """Generic tiny sizes; transformers' ``attribute_map`` translates them for configs that
 spell them differently (GPT-2's ``n_embd``, ``n_layer``, ...)."""
