@@ -214,33 +214,56 @@ DEFAULT_TEXTS = [
     "The tallest mountain in the world",
 ]
 DEFAULT_ENGINES = {
-    "plain": {"num_kv_blocks": 256},
+    "plain": {"num_kv_blocks": 512},
     "chunked": {"num_kv_blocks": 256, "max_num_batched_tokens": 32},
     "preempting": {"num_kv_blocks": 16},
 }
 DEFAULT_GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+SHIPPED_EAGLE3 = {"method": "eagle3", "num_speculative_tokens": 3, "disable_by_batch_size": 0}
 
 
 @pytest.fixture(scope="module")
-def default_reference(default_tokenizer) -> tuple[list[dict], list[list[int]]]:
+def default_llm() -> LLM:
+    """The default model without speculation (the references of this module)."""
+    return LLM(max_model_len=256, **DEFAULT_ENGINES["plain"])
+
+
+@pytest.fixture(scope="module")
+def default_eagle3() -> LLM:
+    """The default model with the shipped EAGLE-3 head, plain engine (shared by two tests)."""
+    return LLM(max_model_len=256, speculative_config=SHIPPED_EAGLE3, **DEFAULT_ENGINES["plain"])
+
+
+def _generate_counting(llm: LLM, prompts, params: SamplingParams) -> tuple[list[list[int]], dict[str, int]]:
+    """``generate`` and the change of the engine's counters over it."""
+    before = llm.get_stats()
+    out = generate(llm, prompts, params)
+    after = llm.get_stats()
+    return out, {key: after[key] - before.get(key, 0) for key in after if key.startswith(("spec_", "num_"))}
+
+
+@pytest.fixture(scope="module")
+def default_reference(default_tokenizer, default_llm) -> tuple[list[dict], list[list[int]]]:
     prompts = [{"prompt_token_ids": default_tokenizer.encode(t)} for t in DEFAULT_TEXTS]
-    llm = LLM(num_kv_blocks=256, max_model_len=256)
-    return prompts, generate(llm, prompts, DEFAULT_GREEDY)
+    return prompts, generate(default_llm, prompts, DEFAULT_GREEDY)
 
 
 @pytest.mark.parametrize("engine", list(DEFAULT_ENGINES))
 @pytest.mark.parametrize("method", ["ngram", "self-draft", "eagle3"])
-def test_default_model_greedy_equals_non_speculative(default_model_dir, default_reference, method, engine):
+def test_default_model_greedy_equals_non_speculative(default_model_dir, default_reference, method, engine, request):
     prompts, reference = default_reference
-    spec = {"method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 4}
-    if method == "self-draft":
-        spec = {"method": "draft_model", "model": default_model_dir}
-    if method == "eagle3":
-        spec = {"method": "eagle3"}  # the shipped head
-    spec |= {"num_speculative_tokens": 3, "disable_by_batch_size": 0}
-    llm = LLM(max_model_len=256, speculative_config=spec, **DEFAULT_ENGINES[engine])
-    assert generate(llm, prompts, DEFAULT_GREEDY) == reference
-    stats = llm.get_stats()
+    if (method, engine) == ("eagle3", "plain"):
+        llm = request.getfixturevalue("default_eagle3")
+    else:
+        spec = {"method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+        if method == "self-draft":
+            spec = {"method": "draft_model", "model": default_model_dir}
+        if method == "eagle3":
+            spec = {"method": "eagle3"}  # the shipped head
+        spec |= {"num_speculative_tokens": 3, "disable_by_batch_size": 0}
+        llm = LLM(max_model_len=256, speculative_config=spec, **DEFAULT_ENGINES[engine])
+    out, stats = _generate_counting(llm, prompts, DEFAULT_GREEDY)
+    assert out == reference
     assert stats["spec_num_accepted_tokens"] > 0
     if engine == "preempting":
         assert stats["num_preemptions"] > 0
@@ -279,15 +302,15 @@ def test_structured_output_requests_are_not_drafted_for(default_tokenizer):
     assert llm.get_stats()["spec_num_drafts"] > 0
 
 
-ACCEPTANCE_FLOOR = 0.02
-"""Below what the shipped head reaches on these prompts (README); a head fed the wrong states gets ~0."""
+ACCEPTANCE_FLOOR = 0.1
+"""Below what the shipped head reaches on these prompts (its README.md); a head fed the wrong states gets ~0."""
 
 TOPICS = ["volcanoes", "honeybees", "the Moon", "chess", "bread", "rivers", "owls", "trains"]
 ASKS = ["Explain {} to a child.", "Write a short poem about {}.", "List three facts about {}.",
         "Why do people like {}?"]
 
 
-def test_shipped_eagle3_head_on_32_chat_prompts(default_tokenizer):
+def test_shipped_eagle3_head_on_32_chat_prompts(default_tokenizer, default_llm, default_eagle3):
     """The head shipped for the default model: 32 chat prompts x 64 tokens equal the
     non-speculative run, and it drafts well enough to pay (tokens/s in benchmarks/)."""
     prompts = [
@@ -296,9 +319,6 @@ def test_shipped_eagle3_head_on_32_chat_prompts(default_tokenizer):
         for ask in ASKS for topic in TOPICS
     ]
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
-    reference = generate(LLM(num_kv_blocks=1024, max_model_len=512), prompts, params)
-    spec = {"method": "eagle3", "num_speculative_tokens": 3, "disable_by_batch_size": 0}
-    llm = LLM(num_kv_blocks=1024, max_model_len=512, speculative_config=spec)
-    assert generate(llm, prompts, params) == reference
-    stats = llm.get_stats()
+    out, stats = _generate_counting(default_eagle3, prompts, params)
+    assert out == generate(default_llm, prompts, params)
     assert stats["spec_num_accepted_tokens"] / stats["spec_num_draft_tokens"] > ACCEPTANCE_FLOOR
