@@ -1,10 +1,10 @@
 """The ``draft_model`` proposer: a smaller model of the same tokenizer drafts k tokens.
 
 The draft model runs in the target's worker with its own layers' KV caches laid over the same
-blocks and block tables. After each target step it first runs over the step's verified tokens
-and each drafting request's new token (so its cache follows the target's, prefill chunks,
-prefix-cache hits and recomputation after preemption included), then k - 1 more single-token
-steps. Drafts are the draft model's argmax: deterministic proposals, which the rejection
+blocks and block tables. After each target step that speculates it first runs over the step's
+verified tokens and each drafting request's new token (so its cache follows the target's,
+prefill chunks, prefix-cache hits and recomputation after preemption included), then k - 1
+more single-token steps. Drafts are the draft model's argmax: deterministic proposals, which the rejection
 sampler verifies exactly for greedy and random requests alike.
 """
 

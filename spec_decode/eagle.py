@@ -3,9 +3,10 @@
 All three continue from the target's features rather than from tokens alone, after vLLM's
 ``EagleProposer``. The head's cache entry at position ``p`` comes from the target's hidden state
 at ``p`` (for ``eagle3`` the fused low/mid/high-layer states, for ``eagle`` and ``mtp`` the final
-ones) and the embedding of the token at ``p + 1``. After each target step the head first runs
-over every scheduled request's newly verified positions (so its cache follows the target's
-through chunked prefill, prefix-cache hits and recomputation after preemption); a drafting
+ones) and the embedding of the token at ``p + 1``. After each target step that speculates the
+head first runs over every scheduled request's newly verified positions (so its cache follows
+the target's through chunked prefill, prefix-cache hits and recomputation after preemption;
+a step that does not speculate leaves its positions out, at no cost); a drafting
 request's last verified position takes its just-sampled token and yields the first draft. Each
 of the k - 1 further single-token steps feeds the head's own output state back with the previous
 draft. Drafts are argmax tokens (deterministic proposals, which the rejection sampler verifies
