@@ -6,6 +6,7 @@ Workloads:
 - ``chat``: single stream; 256-token chat prompts asking about passages (not a copy task; the
   EAGLE head's case; the passages are not in its training data).
 - ``concurrent``: ``--concurrency`` requests at once of the copy prompts.
+- ``chat-concurrent``: ``--concurrency`` requests at once of the chat prompts.
 
 Each configuration gets its own engine, a warm-up request, then the timed requests; engines
 alternate per repeat. Reports output tokens/s, the speed-up over no speculation and the
@@ -49,7 +50,7 @@ CONFIGS = {
                                    "prompt_lookup_min": 2, "prompt_lookup_max": 4},
     **{
         f"eagle3-k{k}": {"method": "eagle3", "num_speculative_tokens": k, "disable_by_batch_size": 0}
-        for k in (2, 3, 4)
+        for k in (1, 2, 3, 4)
     },
     "eagle3-k3-default-cutoff": {"method": "eagle3", "num_speculative_tokens": 3},
 }
@@ -112,8 +113,8 @@ def main() -> None:
         for name in args.configs.split(",")
     }
     for workload in args.workload.split(","):
-        n = args.concurrency if workload == "concurrent" else 1
-        make_prompts = _chat_prompts if workload == "chat" else _prompts
+        n = args.concurrency if workload.endswith("concurrent") else 1
+        make_prompts = _chat_prompts if workload.startswith("chat") else _prompts
         results: dict[str, list[float]] = {name: [] for name in engines}
         accept: dict[str, tuple[int, int, int]] = {}
         positions: dict[str, list[int]] = {}

@@ -1,27 +1,32 @@
 """Train the EAGLE-3 head shipped for the default model (SmolLM2-135M-Instruct), on the CPU, by
 self-distillation: the target's own greedy continuations of locally written prompts are the data.
 
-1. Prompts: chat requests composed from topic x task templates, plus passages of local text
-   (``docs/*.md``, ``tests/lm_eval_tasks/*.jsonl``) with an instruction. The README and the
-   passages of ``benchmarks/spec_decode.py`` are left out: the benchmark's prompts come from them.
+1. Prompts: chat requests composed from topic x task templates, and questions about passages
+   of local text (``docs/*.md``, ``tests/lm_eval_tasks/*.jsonl``, one or two paragraphs each). The
+   README and the passages of ``benchmarks/spec_decode.py`` are left out: the benchmark's
+   prompts come from them.
 2. tokenmill generates each prompt's greedy continuation (``--gen-tokens``, ``ignore_eos``).
 3. transformers runs the same weights over prompt + continuation once and keeps the residual
-   stream entering layers 2, 15 and 27 (what the engine feeds the head; float16 in memory).
-4. The draft vocabulary is the ``--draft-vocab`` tokens the target generated most often;
+   stream entering layers 2, 15 and 27 (what the engine feeds the head; float16 in memory) and
+   the target's argmax at every position.
+4. The draft vocabulary is the ``--draft-vocab`` tokens the target predicts most often;
    ``d2t`` maps them back.
 5. The head (``fc`` over the three layers' states, one Llama decoder layer over
-   ``[embedding || hidden]``, norm, LM head over the draft vocabulary) is trained on the
-   generated positions with cross-entropy on the target's next-next token, unrolled over
-   ``--ttt-steps`` draft steps as at inference: step j feeds back the head's own output of step
-   j - 1 and attends to the earlier positions' step-0 entries plus its own chain (EAGLE-3's
-   "training-time test"). The LM head starts from the target's (tied) embedding rows of the
-   draft vocabulary and the final norm from the target's.
+   ``[embedding || hidden]``, norm, LM head over the draft vocabulary) is trained at every
+   position, prompt ones included, with cross-entropy on the target's argmax one position on
+   (what greedy verification compares a draft with), unrolled over ``--ttt-steps`` draft steps
+   as at inference: step j feeds back the head's own output of step j - 1 and attends to the
+   earlier positions' step-0 entries plus its own chain (EAGLE-3's "training-time test"). The
+   LM head starts from the target's (tied) embedding rows of the draft vocabulary and the final
+   norm from the target's. The learning rate follows a cosine over ``--train-minutes``, and the
+   head is saved every ``--save-minutes`` (the data of steps 1-3 once, with ``--data``).
 6. The head is written as float16 safetensors in the EAGLE-3 authors' layout (``fc``,
-   ``midlayer.*``, ``norm``, ``lm_head``, ``d2t``, ``t2d``) with its ``config.json``.
+   ``midlayer.*``, ``norm``, ``lm_head``, ``d2t``, ``t2d``) with its ``config.json``; the
+   held-out top-1 (generated positions of held-out prompts) is printed per draft step.
 
     python scripts/train_eagle3.py --out spec_decode/heads/SmolLM2-135M-Instruct-eagle3
 
-Seeded (``--seed``); the numbers it printed for the shipped head are in the README.
+Seeded (``--seed``); what it printed for the shipped head is in the head's README.md.
 """
 
 from __future__ import annotations
@@ -83,6 +88,9 @@ PASSAGE_TASKS = [
     "Rewrite this text in a more formal tone:\n\n{p}",
     "What is this text about?\n\n{p}",
     "Turn the key points of this text into a bullet list:\n\n{p}",
+    "Read the text below and tell me what you learned from it.\n\n{p}",
+    "What questions does this text answer? Answer them.\n\n{p}",
+    "Who would find this text useful, and why?\n\n{p}",
 ]
 
 AUX_LAYERS = (2, 15, 27)
@@ -103,14 +111,16 @@ def passages() -> list[str]:
 
 
 def compose_prompts(n: int, seed: int) -> list[str]:
+    """Half topic x task requests, half questions about one or two local passages."""
     rng = random.Random(seed)
     pairs = [(task, topic) for task in TASKS for topic in TOPICS]
     rng.shuffle(pairs)
     texts = passages()
     out = []
     for i in range(n):
-        if i % 4 == 3 and texts:
-            out.append(rng.choice(PASSAGE_TASKS).format(p=rng.choice(texts)))
+        if i % 2 and texts:
+            text = "\n\n".join(rng.sample(texts, rng.randint(1, 2)))
+            out.append(rng.choice(PASSAGE_TASKS).format(p=text))
         else:
             task, topic = pairs[i % len(pairs)]
             out.append(task.format(t=topic))
@@ -134,12 +144,14 @@ def generate(prompts: list[str], gen_tokens: int) -> list[tuple[list[int], list[
 
 @torch.inference_mode()
 def target_features(model_dir: str, seqs: list[tuple[list[int], list[int]]], batch_tokens: int):
-    """Per sequence: the residual stream entering ``AUX_LAYERS`` ([L, 3·hidden], float16)."""
+    """Per sequence: the residual stream entering ``AUX_LAYERS`` ([L, 3·hidden], float16) and
+    the target's argmax at each position ([L]); the embedding and final norm weights."""
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i][0]) + len(seqs[i][1]))
     feats: list[torch.Tensor | None] = [None] * len(seqs)
+    preds: list[torch.Tensor | None] = [None] * len(seqs)
     i = 0
     while i < len(order):
         length = len(seqs[order[i]][0]) + len(seqs[order[i]][1])
@@ -151,10 +163,23 @@ def target_features(model_dir: str, seqs: list[tuple[list[int], list[int]]], bat
         mask = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x in ids])
         hs = model.model(input_ids=input_ids, attention_mask=mask, output_hidden_states=True).hidden_states
         aux = torch.cat([hs[layer] for layer in AUX_LAYERS], dim=-1).half()
+        argmax = model.lm_head(hs[-1]).argmax(dim=-1)
         for row, j in enumerate(group):
             feats[j] = aux[row, : len(ids[row])].clone()
+            preds[j] = argmax[row, : len(ids[row])].clone()
         print(f"features {i}/{len(order)}", flush=True)
-    return feats, model.model.embed_tokens.weight.detach().clone(), model.model.norm.weight.detach().clone()
+    embed = model.model.embed_tokens.weight.detach().clone()
+    return feats, preds, embed, model.model.norm.weight.detach().clone()
+
+
+EAGLE3_NAMES = {
+    "fc": "fc", "norm": "norm", "lm_head": "lm_head",
+    "input_layernorm": "midlayer.input_layernorm", "hidden_norm": "midlayer.hidden_norm",
+    "post_attention_layernorm": "midlayer.post_attention_layernorm",
+    **{p: f"midlayer.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj", "o_proj")},
+    **{p: f"midlayer.mlp.{p}" for p in ("gate_proj", "up_proj", "down_proj")},
+}
+"""``Eagle3Head`` module names -> the EAGLE-3 checkpoint's (``.weight`` appended)."""
 
 
 class RMSNorm(nn.Module):
@@ -250,15 +275,13 @@ class Eagle3Head(nn.Module):
         return outputs
 
     def state_dict_eagle3(self, d2t: torch.Tensor, t2d: torch.Tensor) -> dict[str, torch.Tensor]:
-        names = {
-            "fc": "fc", "norm": "norm", "lm_head": "lm_head",
-            "input_layernorm": "midlayer.input_layernorm", "hidden_norm": "midlayer.hidden_norm",
-            "post_attention_layernorm": "midlayer.post_attention_layernorm",
-            **{p: f"midlayer.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj", "o_proj")},
-            **{p: f"midlayer.mlp.{p}" for p in ("gate_proj", "up_proj", "down_proj")},
-        }
-        out = {f"{names[n.split('.')[0]]}.weight": p.detach().half().contiguous() for n, p in self.named_parameters()}
+        out = {f"{EAGLE3_NAMES[n.split('.')[0]]}.weight": p.detach().half().contiguous() for n, p in self.named_parameters()}
         return out | {"d2t": d2t, "t2d": t2d}
+
+    def load_eagle3(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Load what ``state_dict_eagle3`` wrote (less ``d2t``/``t2d``)."""
+        ours = {f"{theirs}.weight": name for name, theirs in EAGLE3_NAMES.items()}
+        self.load_state_dict({f"{ours[n]}.weight": t.float() for n, t in tensors.items()})
 
 
 def batches(examples, batch_tokens: int, rng: random.Random):
@@ -302,12 +325,13 @@ def step_losses(model, ids, labels, aux, steps):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--prompts", type=int, default=96)
+    parser.add_argument("--prompts", type=int, default=192)
     parser.add_argument("--gen-tokens", type=int, default=128)
     parser.add_argument("--draft-vocab", type=int, default=4096)
     parser.add_argument("--intermediate-size", type=int, default=768)
     parser.add_argument("--ttt-steps", type=int, default=3)
-    parser.add_argument("--epochs", type=float, default=5)
+    parser.add_argument("--train-minutes", type=float, default=30)
+    parser.add_argument("--save-minutes", type=float, default=5)
     parser.add_argument("--batch-tokens", type=int, default=2048)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
@@ -321,32 +345,33 @@ def main() -> None:
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     t0 = time.perf_counter()
     if args.data is not None and args.data.exists():
-        seqs, feats, embed, final_norm = torch.load(args.data)
+        seqs, feats, preds, embed, final_norm = torch.load(args.data)
     else:
         seqs = generate(compose_prompts(args.prompts, args.seed), args.gen_tokens)
         print(f"generated {sum(len(g) for _, g in seqs)} tokens in {time.perf_counter() - t0:.0f} s", flush=True)
-        feats, embed, final_norm = target_features(model_dir, seqs, 4 * args.batch_tokens)
+        feats, preds, embed, final_norm = target_features(model_dir, seqs, 4 * args.batch_tokens)
         if args.data is not None:
-            torch.save((seqs, feats, embed, final_norm), args.data)
-    print(f"data ready after {time.perf_counter() - t0:.0f} s", flush=True)
+            torch.save((seqs, feats, preds, embed, final_norm), args.data)
+    print(f"data ready after {time.perf_counter() - t0:.0f} s: {len(seqs)} sequences, "
+          f"{sum(len(p) for p, _ in seqs)} prompt and {sum(len(g) for _, g in seqs)} generated tokens", flush=True)
 
-    counts = torch.bincount(torch.tensor([t for _, g in seqs for t in g]), minlength=cfg["vocab_size"])
+    counts = torch.bincount(torch.cat(preds), minlength=cfg["vocab_size"])
     draft_ids = counts.argsort(descending=True, stable=True)[: args.draft_vocab].sort().values
     coverage = counts[draft_ids].sum().item() / counts.sum().item()
     to_draft = torch.full((cfg["vocab_size"],), -100, dtype=torch.int64)
     to_draft[draft_ids] = torch.arange(args.draft_vocab)
-    print(f"draft vocabulary {args.draft_vocab}: {coverage:.3f} of generated tokens", flush=True)
+    print(f"draft vocabulary {args.draft_vocab}: {coverage:.3f} of the target's predictions", flush=True)
 
-    # Example: next ids (x[q+1]), labels (draft id of x[q+2] where generated), features f[q].
-    examples = []
-    for (prompt, gen), f in zip(seqs, feats):
-        x = torch.tensor(prompt + gen)
-        labels = to_draft[x[2:]].clone()
-        labels[: len(prompt) - 2] = -100
-        examples.append((x[1:-1], labels, f[:-2]))
+    # Example: next ids (x[q+1]), labels (draft id of the target's argmax at q+1), features f[q].
+    examples = [
+        (torch.tensor(prompt + gen)[1:], to_draft[p[1:]], f[:-1], len(prompt))
+        for (prompt, gen), f, p in zip(seqs, feats, preds)
+    ]
     rng.shuffle(examples)
     n_eval = max(1, len(examples) // 20)
-    evals, train = examples[:n_eval], examples[n_eval:]
+    # held out: scored on the generated positions only, as the engine drafts
+    evals = [(ids, lab.clone().index_fill_(0, torch.arange(n - 2), -100), f) for ids, lab, f, n in examples[:n_eval]]
+    train = [(ids, lab, f) for ids, lab, f, _ in examples[n_eval:]]
 
     cfg_head = dict(cfg, intermediate_size=args.intermediate_size)
     model = Eagle3Head(cfg_head, embed, args.draft_vocab)
@@ -356,19 +381,20 @@ def main() -> None:
         for lin in (model.q_proj, model.k_proj, model.v_proj, model.o_proj, model.gate_proj, model.up_proj, model.down_proj, model.fc):
             nn.init.normal_(lin.weight, std=0.02)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
-    groups_per_epoch = len(batches(train, args.batch_tokens, rng))
-    total = int(args.epochs * groups_per_epoch)
     weights = [0.8**j for j in range(args.ttt_steps)]
-    done = 0
+    budget, warmup = 60 * args.train_minutes, 30
+    done, epoch, saved = 0, 0, 0.0
     t_train = time.perf_counter()
-    while done < total:
-        if done:
-            save_head(args.out, model, cfg_head, draft_ids)  # each epoch's head, in case of a stop
+    while (elapsed := time.perf_counter() - t_train) < budget:
+        epoch += 1
         for group in batches(train, args.batch_tokens, rng):
-            if done >= total:
+            elapsed = time.perf_counter() - t_train
+            if elapsed >= budget:
                 break
-            warmup = max(1, min(50, total // 10))
-            lr = args.lr * min(1.0, (done + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * done / total)))
+            if elapsed - saved >= 60 * args.save_minutes:
+                save_head(args.out, model, cfg_head, draft_ids)
+                saved = elapsed
+            lr = args.lr * min(1.0, (done + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * elapsed / budget)))
             for g in opt.param_groups:
                 g["lr"] = lr
             ids, labels, aux = collate(train, group)
@@ -379,10 +405,12 @@ def main() -> None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             done += 1
-            if done % 20 == 0 or done == total:
+            if done % 20 == 0:
                 accs = " ".join(f"{a.item():.3f}" for _, a in losses)
-                print(f"step {done}/{total} lr {lr:.2e} loss {loss.item():.3f} acc/step {accs} "
-                      f"({time.perf_counter() - t_train:.0f} s)", flush=True)
+                print(f"step {done} epoch {epoch} lr {lr:.2e} loss {loss.item():.3f} acc/step {accs} "
+                      f"({elapsed:.0f} s)", flush=True)
+    print(f"trained {done} steps of {args.batch_tokens} tokens ({epoch} epochs begun) in "
+          f"{time.perf_counter() - t_train:.0f} s", flush=True)
 
     with torch.no_grad():
         sums = [[0.0, 0.0] for _ in range(args.ttt_steps)]

@@ -3,9 +3,10 @@
 All three continue from the target's features rather than from tokens alone, after vLLM's
 ``EagleProposer``. The head's cache entry at position ``p`` comes from the target's hidden state
 at ``p`` (for ``eagle3`` the fused low/mid/high-layer states, for ``eagle`` and ``mtp`` the final
-ones) and the embedding of the token at ``p + 1``. After each target step the head first runs
-over every scheduled request's newly verified positions (so its cache follows the target's
-through chunked prefill, prefix-cache hits and recomputation after preemption); a drafting
+ones) and the embedding of the token at ``p + 1``. After each target step that speculates the
+head first runs over every scheduled request's newly verified positions (so its cache follows
+the target's through chunked prefill, prefix-cache hits and recomputation after preemption;
+a step that does not speculate leaves its positions out, at no cost); a drafting
 request's last verified position takes its just-sampled token and yields the first draft. Each
 of the k - 1 further single-token steps feeds the head's own output state back with the previous
 draft. Drafts are argmax tokens (deterministic proposals, which the rejection sampler verifies
@@ -21,25 +22,21 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from torch import nn
 
-from tokenmill.forward_context import set_forward_context
-from tokenmill.interfaces.proposer import FlatInputs, Proposal, ProposalBatch, Proposer
-from tokenmill.layers.attention import Attention
+from tokenmill.interfaces.proposer import FlatInputs, ProposalBatch
 from tokenmill.layers.build_context import BuildContext
 from tokenmill.layers.mla_attention import MLAAttention
 from tokenmill.model_loader.loader import load_hf_config, load_model
 from tokenmill.speculative_config import SpeculativeConfig
-from tokenmill.worker.attention_groups import make_metadata_builder, model_attention_layers
+from tokenmill.spec_decode.model_proposer import ModelProposer, step_indices
 
 if TYPE_CHECKING:
     from tokenmill.config import EngineConfig
-
-LAYER_PREFIX = "draft."
 
 DEFAULT_MODEL_HEAD = Path(__file__).resolve().parent / "heads" / "SmolLM2-135M-Instruct-eagle3"
 """The EAGLE-3 head trained for the default model (``scripts/train_eagle3.py``): what
@@ -48,16 +45,11 @@ DEFAULT_MODEL_HEAD = Path(__file__).resolve().parent / "heads" / "SmolLM2-135M-I
 HEAD_ARCHITECTURES = {"eagle": "EagleLlamaForCausalLM", "eagle3": "Eagle3LlamaForCausalLM"}
 
 
-class EagleProposer(Proposer):
-    uses_target_step = True
-
+class EagleProposer(ModelProposer):
     def __init__(self, spec: SpeculativeConfig, config: EngineConfig, device: torch.device) -> None:
         super().__init__(spec, config, device)
         self.method = spec.method
-        self.num_lookahead_tokens = spec.num_speculative_tokens
         self.head_dir = None if spec.method == "mtp" else self._head_dir()
-        self.model: nn.Module | None = None
-        self.builder = None
 
     def _head_dir(self) -> str:
         """``speculative_config["model"]``, else the shipped head for the default model."""
@@ -74,8 +66,8 @@ class EagleProposer(Proposer):
         if self.method == "mtp":
             from tokenmill.models.deepseek_mtp import mtp_config
 
-            self.model = load_model(
-                self.config.model_path, mtp_config(self.config.hf_config), build_ctx, self.device
+            self._attach(
+                load_model(self.config.model_path, mtp_config(self.config.hf_config), build_ctx, self.device)
             )
         else:
             assert self.head_dir is not None
@@ -91,35 +83,20 @@ class EagleProposer(Proposer):
                 )
             hf_config = copy.deepcopy(load_hf_config(self.head_dir))
             hf_config.architectures = [HEAD_ARCHITECTURES[self.method]]
-            self.model = load_model(self.head_dir, hf_config, build_ctx, self.device)
-            self.model.share_target(target)
+            head = load_model(self.head_dir, hf_config, build_ctx, self.device)
+            head.share_target(target)
+            self._attach(head)
         if self.method == "eagle3":
             target.set_aux_hidden_state_layers(target.get_eagle3_aux_hidden_state_layers())
-        self.builder = make_metadata_builder(
-            model_attention_layers(self.model),
-            self.config.block_size,
-            self.config.kv_cache_torch_dtype,
-            self.device,
-        )
-
-    def attention_layers(self) -> dict[str, Attention | MLAAttention]:
-        assert self.model is not None
-        return {
-            LAYER_PREFIX + m.layer_name: m
-            for m in self.model.modules()
-            if isinstance(m, (Attention, MLAAttention))
-        }
 
     def _step(
         self, flat: FlatInputs, input_ids: torch.Tensor, hidden: torch.Tensor, index: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One head pass: the states to take logits of and the states for the next step."""
-        assert self.model is not None and self.builder is not None
-        with set_forward_context(self.builder.build(flat.common)):
-            if self.method == "mtp":
-                out = self.model(input_ids, flat.positions, hidden, index)
-                return out, out
-            return self.model(input_ids, flat.positions, hidden)
+        if self.method == "mtp":
+            out = self._run(flat, input_ids, flat.positions, hidden, index)
+            return out, out
+        return self._run(flat, input_ids, flat.positions, hidden)
 
     def _draft_tokens(self, hidden: torch.Tensor, index: int) -> torch.Tensor:
         assert self.model is not None
@@ -130,13 +107,9 @@ class EagleProposer(Proposer):
             tokens = self.model.draft_to_target(tokens)
         return tokens
 
-    def propose(self, batch: ProposalBatch) -> Proposal:
-        step = batch.step
+    def _first_pass(self, batch: ProposalBatch) -> tuple[torch.Tensor, Any, np.ndarray]:
+        step, ib = batch.step, batch.input_batch
         assert step is not None and self.model is not None
-        k = batch.num_speculative_tokens
-        ib = batch.input_batch
-        drafts = np.zeros((len(batch.rows), k), dtype=np.int64)
-
         # The verified positions of every scheduled row, each with the token after it.
         num_new = ib.num_computed_tokens[step.rows] - step.start_positions
         cu = np.cumsum(num_new)
@@ -153,20 +126,12 @@ class EagleProposer(Proposer):
         flat = step.prepare(step.rows, step.start_positions, num_new)
         input_ids = torch.from_numpy(next_ids).to(self.device)
         logits_states, hidden = self._step(flat, input_ids, hidden, 0)
-        if not len(batch.rows):
-            return Proposal(drafts, np.zeros(0, dtype=np.int64))
-
-        order = {row: s for s, row in enumerate(step.rows)}
-        last = torch.as_tensor([cu[order[row]] - 1 for row in batch.rows], device=self.device)
+        last = torch.from_numpy(cu[step_indices(step.rows, batch.rows)] - 1).to(self.device)
         tokens = self._draft_tokens(logits_states[last], 0)
-        hidden = hidden[last]
-        drafts_t = [tokens]
-        start = ib.num_computed_tokens[batch.rows]
-        ones = np.ones(len(batch.rows), dtype=np.int64)
-        for i in range(1, k):
-            flat = step.prepare(batch.rows, start + i - 1, ones)
-            logits_states, hidden = self._step(flat, tokens, hidden, i)
-            tokens = self._draft_tokens(logits_states, i)
-            drafts_t.append(tokens)
-        drafts[:] = torch.stack(drafts_t, dim=1).cpu().numpy()
-        return Proposal(drafts, np.full(len(batch.rows), k, dtype=np.int64))
+        return tokens, hidden[last], ib.num_computed_tokens[batch.rows]
+
+    def _draft_step(
+        self, flat: FlatInputs, tokens: torch.Tensor, state: Any, index: int
+    ) -> tuple[torch.Tensor, Any]:
+        logits_states, hidden = self._step(flat, tokens, state, index)
+        return self._draft_tokens(logits_states, index), hidden

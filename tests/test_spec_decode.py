@@ -3,17 +3,15 @@ proposer and scheduling feature, and random sampling keeps the target's distribu
 
 from __future__ import annotations
 
-import random
 import re
 
 import pytest
 import torch
 
 from conftest import make_tiny_checkpoint
+from spec_decode_common import ENGINES, generate, random_prompts
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import EngineConfig
-
-GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -29,23 +27,12 @@ def tiny(tmp_path_factory) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def prompts() -> list[dict]:
-    rng = random.Random(0)
-    shared = [rng.randrange(256) for _ in range(20)]
-    prompts = [[rng.randrange(256) for _ in range(rng.randrange(3, 60))] for _ in range(6)]
-    prompts += [shared + [rng.randrange(256) for _ in range(n)] for n in (2, 40)]
-    return [{"prompt_token_ids": p} for p in prompts]
-
-
-def _generate(llm: LLM, prompts, params=GREEDY) -> list[list[int]]:
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    stats = llm.get_stats()
-    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
-    return [o.outputs[0].token_ids for o in outputs]
+    return random_prompts()
 
 
 @pytest.fixture(scope="module")
 def reference(tiny, prompts) -> list[list[int]]:
-    return _generate(LLM(model=tiny["target"], num_kv_blocks=256, max_model_len=256), prompts)
+    return generate(LLM(model=tiny["target"], num_kv_blocks=256, max_model_len=256), prompts)
 
 
 def _spec(tiny, method: str, **extra) -> dict:
@@ -53,13 +40,6 @@ def _spec(tiny, method: str, **extra) -> dict:
     if method == "draft_model":
         spec.setdefault("model", tiny["draft"])
     return spec
-
-
-ENGINES = {
-    "plain": {"num_kv_blocks": 256},
-    "chunked": {"num_kv_blocks": 256, "max_num_batched_tokens": 32},
-    "preempting": {"num_kv_blocks": 24},
-}
 
 
 @pytest.mark.parametrize("engine", list(ENGINES))
@@ -75,9 +55,9 @@ ENGINES = {
 def test_greedy_equals_non_speculative(tiny, prompts, reference, engine, method, extra):
     extra = {key: tiny[v] if v == "target" else v for key, v in extra.items()}
     llm = LLM(model=tiny["target"], max_model_len=256, speculative_config=_spec(tiny, method, **extra), **ENGINES[engine])
-    assert _generate(llm, prompts) == reference
+    assert generate(llm, prompts) == reference
     if engine == "plain":
-        assert _generate(llm, prompts) == reference
+        assert generate(llm, prompts) == reference
         assert llm.get_stats()["prefix_cache_hit_tokens"] > 0
     stats = llm.get_stats()
     assert stats["spec_num_drafts"] > 0
@@ -93,7 +73,7 @@ def test_self_draft_accepts_everything_k_plus_one_per_step(tiny):
     llm = LLM(model=tiny["target"], num_kv_blocks=64, max_model_len=256,
               speculative_config={"model": tiny["target"], "num_speculative_tokens": 4})
     params = SamplingParams(temperature=0, max_tokens=1 + 5 * 8, ignore_eos=True)
-    _generate(llm, [{"prompt_token_ids": [1, 2, 3]}], params)
+    generate(llm, [{"prompt_token_ids": [1, 2, 3]}], params)
     stats = llm.get_stats()
     assert stats["spec_num_drafts"] == 8
     assert stats["spec_num_draft_tokens"] == stats["spec_num_accepted_tokens"] == 32
@@ -103,10 +83,10 @@ def test_self_draft_accepts_everything_k_plus_one_per_step(tiny):
 def test_disable_by_batch_size_turns_speculation_off(tiny, prompts, reference):
     spec = {"model": tiny["target"], "num_speculative_tokens": 3, "disable_by_batch_size": 2}
     llm = LLM(model=tiny["target"], num_kv_blocks=256, max_model_len=256, speculative_config=spec)
-    assert _generate(llm, prompts[:1]) == reference[:1]
+    assert generate(llm, prompts[:1]) == reference[:1]
     assert llm.get_stats()["spec_num_drafts"] > 0
     llm = LLM(model=tiny["target"], num_kv_blocks=256, max_model_len=256, speculative_config=spec)
-    assert _generate(llm, prompts) == reference
+    assert generate(llm, prompts) == reference
     assert llm.get_stats()["spec_num_drafts"] < len(prompts)
 
 
@@ -134,9 +114,9 @@ def test_allowed_tokens_and_logit_bias_apply_at_verified_positions(tiny, prompts
     ref = LLM(model=tiny["target"], num_kv_blocks=64, max_model_len=256)
     spec = LLM(model=tiny["target"], num_kv_blocks=64, max_model_len=256,
                speculative_config={"model": tiny["target"], "num_speculative_tokens": 3})
-    expected = _generate(ref, prompts[:3], params)
+    expected = generate(ref, prompts[:3], params)
     assert all(t in allowed for out in expected for t in out)
-    assert _generate(spec, prompts[:3], params) == expected
+    assert generate(spec, prompts[:3], params) == expected
     assert spec.get_stats()["spec_num_drafts"] > 0
 
 
@@ -234,33 +214,56 @@ DEFAULT_TEXTS = [
     "The tallest mountain in the world",
 ]
 DEFAULT_ENGINES = {
-    "plain": {"num_kv_blocks": 256},
+    "plain": {"num_kv_blocks": 512},
     "chunked": {"num_kv_blocks": 256, "max_num_batched_tokens": 32},
     "preempting": {"num_kv_blocks": 16},
 }
 DEFAULT_GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+SHIPPED_EAGLE3 = {"method": "eagle3", "num_speculative_tokens": 3, "disable_by_batch_size": 0}
 
 
 @pytest.fixture(scope="module")
-def default_reference(default_tokenizer) -> tuple[list[dict], list[list[int]]]:
+def default_llm() -> LLM:
+    """The default model without speculation (the references of this module)."""
+    return LLM(max_model_len=256, **DEFAULT_ENGINES["plain"])
+
+
+@pytest.fixture(scope="module")
+def default_eagle3() -> LLM:
+    """The default model with the shipped EAGLE-3 head, plain engine (shared by two tests)."""
+    return LLM(max_model_len=256, speculative_config=SHIPPED_EAGLE3, **DEFAULT_ENGINES["plain"])
+
+
+def _generate_counting(llm: LLM, prompts, params: SamplingParams) -> tuple[list[list[int]], dict[str, int]]:
+    """``generate`` and the change of the engine's counters over it."""
+    before = llm.get_stats()
+    out = generate(llm, prompts, params)
+    after = llm.get_stats()
+    return out, {key: after[key] - before.get(key, 0) for key in after if key.startswith(("spec_", "num_"))}
+
+
+@pytest.fixture(scope="module")
+def default_reference(default_tokenizer, default_llm) -> tuple[list[dict], list[list[int]]]:
     prompts = [{"prompt_token_ids": default_tokenizer.encode(t)} for t in DEFAULT_TEXTS]
-    llm = LLM(num_kv_blocks=256, max_model_len=256)
-    return prompts, _generate(llm, prompts, DEFAULT_GREEDY)
+    return prompts, generate(default_llm, prompts, DEFAULT_GREEDY)
 
 
 @pytest.mark.parametrize("engine", list(DEFAULT_ENGINES))
 @pytest.mark.parametrize("method", ["ngram", "self-draft", "eagle3"])
-def test_default_model_greedy_equals_non_speculative(default_model_dir, default_reference, method, engine):
+def test_default_model_greedy_equals_non_speculative(default_model_dir, default_reference, method, engine, request):
     prompts, reference = default_reference
-    spec = {"method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 4}
-    if method == "self-draft":
-        spec = {"method": "draft_model", "model": default_model_dir}
-    if method == "eagle3":
-        spec = {"method": "eagle3"}  # the shipped head
-    spec |= {"num_speculative_tokens": 3, "disable_by_batch_size": 0}
-    llm = LLM(max_model_len=256, speculative_config=spec, **DEFAULT_ENGINES[engine])
-    assert _generate(llm, prompts, DEFAULT_GREEDY) == reference
-    stats = llm.get_stats()
+    if (method, engine) == ("eagle3", "plain"):
+        llm = request.getfixturevalue("default_eagle3")
+    else:
+        spec = {"method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+        if method == "self-draft":
+            spec = {"method": "draft_model", "model": default_model_dir}
+        if method == "eagle3":
+            spec = {"method": "eagle3"}  # the shipped head
+        spec |= {"num_speculative_tokens": 3, "disable_by_batch_size": 0}
+        llm = LLM(max_model_len=256, speculative_config=spec, **DEFAULT_ENGINES[engine])
+    out, stats = _generate_counting(llm, prompts, DEFAULT_GREEDY)
+    assert out == reference
     assert stats["spec_num_accepted_tokens"] > 0
     if engine == "preempting":
         assert stats["num_preemptions"] > 0
@@ -299,15 +302,15 @@ def test_structured_output_requests_are_not_drafted_for(default_tokenizer):
     assert llm.get_stats()["spec_num_drafts"] > 0
 
 
-ACCEPTANCE_FLOOR = 0.02
-"""Below what the shipped head reaches on these prompts (README); a head fed the wrong states gets ~0."""
+ACCEPTANCE_FLOOR = 0.1
+"""Below what the shipped head reaches on these prompts (its README.md); a head fed the wrong states gets ~0."""
 
 TOPICS = ["volcanoes", "honeybees", "the Moon", "chess", "bread", "rivers", "owls", "trains"]
 ASKS = ["Explain {} to a child.", "Write a short poem about {}.", "List three facts about {}.",
         "Why do people like {}?"]
 
 
-def test_shipped_eagle3_head_on_32_chat_prompts(default_tokenizer):
+def test_shipped_eagle3_head_on_32_chat_prompts(default_tokenizer, default_llm, default_eagle3):
     """The head shipped for the default model: 32 chat prompts x 64 tokens equal the
     non-speculative run, and it drafts well enough to pay (tokens/s in benchmarks/)."""
     prompts = [
@@ -316,9 +319,6 @@ def test_shipped_eagle3_head_on_32_chat_prompts(default_tokenizer):
         for ask in ASKS for topic in TOPICS
     ]
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
-    reference = _generate(LLM(num_kv_blocks=1024, max_model_len=512), prompts, params)
-    spec = {"method": "eagle3", "num_speculative_tokens": 3, "disable_by_batch_size": 0}
-    llm = LLM(num_kv_blocks=1024, max_model_len=512, speculative_config=spec)
-    assert _generate(llm, prompts, params) == reference
-    stats = llm.get_stats()
+    out, stats = _generate_counting(default_eagle3, prompts, params)
+    assert out == generate(default_llm, prompts, params)
     assert stats["spec_num_accepted_tokens"] / stats["spec_num_draft_tokens"] > ACCEPTANCE_FLOOR

@@ -16,14 +16,8 @@ import torch
 from conftest import make_tiny_checkpoint
 from deepseek_checkpoints import write_mtp_checkpoint
 from eagle_heads import write_eagle_head
+from spec_decode_common import ENGINES, generate, random_prompts
 from tokenmill import LLM, SamplingParams
-
-GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-ENGINES = {
-    "plain": {"num_kv_blocks": 256},
-    "chunked": {"num_kv_blocks": 256, "max_num_batched_tokens": 32},
-    "preempting": {"num_kv_blocks": 24},
-}
 
 
 @pytest.fixture(scope="module")
@@ -43,24 +37,13 @@ def models(tmp_path_factory) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def prompts() -> list[dict]:
-    rng = random.Random(0)
-    shared = [rng.randrange(256) for _ in range(20)]
-    prompts = [[rng.randrange(256) for _ in range(rng.randrange(3, 60))] for _ in range(6)]
-    prompts += [shared + [rng.randrange(256) for _ in range(n)] for n in (2, 40)]
-    return [{"prompt_token_ids": p} for p in prompts]
-
-
-def _generate(llm: LLM, prompts, params=GREEDY) -> list[list[int]]:
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    stats = llm.get_stats()
-    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
-    return [o.outputs[0].token_ids for o in outputs]
+    return random_prompts()
 
 
 @pytest.fixture(scope="module")
 def references(models, prompts) -> dict[str, list[list[int]]]:
     return {
-        target: _generate(LLM(model=models[target], num_kv_blocks=256, max_model_len=256), prompts)
+        target: generate(LLM(model=models[target], num_kv_blocks=256, max_model_len=256), prompts)
         for target in ("target", "deepseek")
     }
 
@@ -73,9 +56,9 @@ def test_greedy_equals_non_speculative(models, prompts, references, head, engine
     if head != "mtp":
         spec["model"] = models[head]
     llm = LLM(model=models[target], max_model_len=256, speculative_config=spec, **ENGINES[engine])
-    assert _generate(llm, prompts) == references[target]
+    assert generate(llm, prompts) == references[target]
     if engine == "plain":
-        assert _generate(llm, prompts) == references[target]
+        assert generate(llm, prompts) == references[target]
         assert llm.get_stats()["prefix_cache_hit_tokens"] > 0
     stats = llm.get_stats()
     assert stats["spec_num_drafts"] > 0
@@ -83,12 +66,40 @@ def test_greedy_equals_non_speculative(models, prompts, references, head, engine
         assert stats["num_preemptions"] > 0
 
 
+def test_a_step_that_does_not_speculate_runs_no_head(models, prompts, references, monkeypatch):
+    """Speculation off for every step (``disable_by_batch_size`` 1): the head never runs, not
+    even to keep its cache in step. With a cut-off of 4 and requests ending one by one, drafting
+    resumes over a head cache that missed the earlier steps; outputs stay exact."""
+    from tokenmill.spec_decode.eagle import EagleProposer
+
+    calls = []
+    propose = EagleProposer.propose
+
+    def spy(self, batch):
+        calls.append(len(batch.rows))
+        return propose(self, batch)
+
+    monkeypatch.setattr(EagleProposer, "propose", spy)
+    spec = {"method": "eagle3", "model": models["eagle3"], "num_speculative_tokens": 3}
+    llm = LLM(model=models["target"], num_kv_blocks=256, max_model_len=256,
+              speculative_config=spec | {"disable_by_batch_size": 1})
+    assert generate(llm, prompts) == references["target"]
+    assert calls == []
+    llm = LLM(model=models["target"], num_kv_blocks=256, max_model_len=256,
+              speculative_config=spec | {"disable_by_batch_size": 4})
+    lengths = [3 * i + 3 for i in range(len(prompts))]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
+    expected = [ref[:n] for ref, n in zip(references["target"], lengths)]
+    assert generate(llm, prompts, params) == expected
+    assert llm.get_stats()["spec_num_drafts"] > 0
+
+
 def test_mtp_reuses_its_layer_beyond_num_nextn_predict_layers(models, prompts, references):
     """k = 4 with one MTP layer: the layer runs at every depth (drafts of 4 tokens, fewer only
     near max_tokens), output unchanged."""
     spec = {"method": "mtp", "num_speculative_tokens": 4, "disable_by_batch_size": 0}
     llm = LLM(model=models["deepseek"], num_kv_blocks=256, max_model_len=256, speculative_config=spec)
-    assert _generate(llm, prompts[:3]) == references["deepseek"][:3]
+    assert generate(llm, prompts[:3]) == references["deepseek"][:3]
     stats = llm.get_stats()
     assert 3 * stats["spec_num_drafts"] < stats["spec_num_draft_tokens"] <= 4 * stats["spec_num_drafts"]
 

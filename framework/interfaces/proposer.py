@@ -81,8 +81,11 @@ class ProposalBatch:
 
     Attributes:
         req_ids: the requests to draft for (they sampled this step and may speculate); may be
-            empty, when the step does not speculate, so that a model-based proposer can keep
-            its caches in step with the target.
+            empty (a step of prompt chunks only), so that a model-based proposer can keep its
+            caches in step with the target. A step that does not speculate
+            (``disable_by_batch_size``) does not call the proposer: its positions stay missing
+            from a head's cache, which later drafts attend to as they are (lower acceptance,
+            never a wrong output: the target verifies every draft).
         rows: ``[R]`` their ``InputBatch`` rows.
         input_batch: the persistent per-request arrays (read, never written).
         num_speculative_tokens: the most draft tokens to propose per request (k).

@@ -279,7 +279,9 @@ class ModelRunner:
         if len(sampling):
             result = self._sample(out, req_ids, sampling, rows[sampling], cu, hidden)
             result.prompt_logprobs = prompt_logprobs
-        if self.proposer is not None:
+        # A step that does not speculate (disable_by_batch_size) does not run the proposer at
+        # all: a head's cache then lacks that step's positions, which only lowers acceptance.
+        if self.proposer is not None and out.speculate:
             step = None
             if self.proposer.uses_target_step:
                 step = TargetStep(
@@ -291,7 +293,7 @@ class ModelRunner:
                     aux_hidden,
                 )
             result.spec_token_ids = spec_decode.propose(
-                self, self.proposer, out.speculate, req_ids, list(result.sampled_token_ids), step
+                self, self.proposer, req_ids, list(result.sampled_token_ids), step
             )
         return result
 

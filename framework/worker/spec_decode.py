@@ -110,32 +110,30 @@ def append_emitted(runner: ModelRunner, rows: np.ndarray, emitted: list[list[int
 def propose(
     runner: ModelRunner,
     proposer: Proposer,
-    speculate: bool,
     req_ids: list[str],
     sampled_req_ids: list[str],
     step: TargetStep | None,
 ) -> dict[str, list[int]]:
-    """Drafts for the requests that sampled and may speculate: not those with penalties (their
-    logits depend on every earlier token) or bad words (their bans depend on the tokens before),
-    those still under ``min_tokens``, nor those under a structured-output constraint (its mask is
-    built for one position per step)."""
+    """Drafts, after a step that speculates, for the requests that sampled and may: not those
+    with penalties (their logits depend on every earlier token) or bad words (their bans depend
+    on the tokens before), those still under ``min_tokens``, nor those under a structured-output
+    constraint (its mask is built for one position per step)."""
     batch = runner.batch
     assert batch is not None
     k = proposer.spec.num_speculative_tokens
+    max_len = runner.config.max_model_len
     eligible: list[str] = []
-    if speculate:
-        max_len = runner.config.max_model_len
-        for req_id in sampled_req_ids:
-            state = batch.requests[req_id]
-            num_tokens = batch.num_tokens[state.row]
-            if batch.uses_penalties[state.row] or num_tokens + k >= max_len:
-                continue
-            if num_tokens - state.num_prompt_tokens < state.sampling_params.min_tokens:
-                continue
-            params = state.sampling_params
-            if params.structured_outputs is not None or params.bad_words_token_ids:
-                continue
-            eligible.append(req_id)
+    for req_id in sampled_req_ids:
+        state = batch.requests[req_id]
+        num_tokens = batch.num_tokens[state.row]
+        if batch.uses_penalties[state.row] or num_tokens + k >= max_len:
+            continue
+        if num_tokens - state.num_prompt_tokens < state.sampling_params.min_tokens:
+            continue
+        params = state.sampling_params
+        if params.structured_outputs is not None or params.bad_words_token_ids:
+            continue
+        eligible.append(req_id)
     if not eligible and not proposer.uses_target_step:
         return {}
     rows = np.array([batch.requests[r].row for r in eligible], dtype=np.int64)

@@ -1,0 +1,96 @@
+"""What the proposers that run a model of their own (``draft_model``, ``eagle``, ``eagle3``,
+``mtp``) share: the model's KV caches laid over the target's blocks, its attention metadata,
+and the loop of single-token draft steps after a first pass over the target step."""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from tokenmill.forward_context import set_forward_context
+from tokenmill.interfaces.proposer import FlatInputs, Proposal, ProposalBatch, Proposer
+from tokenmill.layers.attention import Attention
+from tokenmill.layers.mla_attention import MLAAttention
+from tokenmill.speculative_config import SpeculativeConfig
+from tokenmill.worker.attention_groups import make_metadata_builder, model_attention_layers
+
+if TYPE_CHECKING:
+    from tokenmill.config import EngineConfig
+
+LAYER_PREFIX = "draft."
+"""Prefix of the proposer model's attention layers among the runner's KV caches."""
+
+
+class ModelProposer(Proposer):
+    """A proposer with a model of its own. Subclasses load it in ``load_model`` (then call
+    ``_attach``), run it over the target step's tokens in ``_first_pass`` and one draft
+    position further in ``_draft_step``; ``propose`` chains them k times."""
+
+    uses_target_step = True
+
+    def __init__(self, spec: SpeculativeConfig, config: EngineConfig, device: torch.device) -> None:
+        super().__init__(spec, config, device)
+        self.num_lookahead_tokens = spec.num_speculative_tokens
+        self.model: nn.Module | None = None
+        self.builder = None
+
+    def _attach(self, model: nn.Module) -> None:
+        self.model = model
+        self.builder = make_metadata_builder(
+            model_attention_layers(model),
+            self.config.block_size,
+            self.config.kv_cache_torch_dtype,
+            self.device,
+        )
+
+    def attention_layers(self) -> dict[str, Attention | MLAAttention]:
+        assert self.model is not None
+        return {
+            LAYER_PREFIX + m.layer_name: m
+            for m in self.model.modules()
+            if isinstance(m, (Attention, MLAAttention))
+        }
+
+    def _run(self, flat: FlatInputs, *inputs: Any) -> Any:
+        """The model over ``flat``'s tokens: ``model(*inputs)`` with their attention metadata."""
+        assert self.model is not None and self.builder is not None
+        with set_forward_context(self.builder.build(flat.common)):
+            return self.model(*inputs)
+
+    @abstractmethod
+    def _first_pass(self, batch: ProposalBatch) -> tuple[torch.Tensor, Any, np.ndarray]:
+        """Run over every scheduled row's new tokens (keeping the model's cache in step);
+        return the drafting rows' first drafts ``[R]``, the state ``_draft_step`` continues
+        from, and the position ``[R]`` the first draft is fed at."""
+
+    @abstractmethod
+    def _draft_step(
+        self, flat: FlatInputs, tokens: torch.Tensor, state: Any, index: int
+    ) -> tuple[torch.Tensor, Any]:
+        """Draft ``index`` (from 1) from draft ``index - 1`` (``tokens``) at ``flat``'s
+        positions; returns the drafts and the next state."""
+
+    def propose(self, batch: ProposalBatch) -> Proposal:
+        assert batch.step is not None and self.model is not None
+        k = batch.num_speculative_tokens
+        tokens, state, positions = self._first_pass(batch)
+        if not len(batch.rows):
+            return Proposal(np.zeros((0, k), dtype=np.int64), np.zeros(0, dtype=np.int64))
+        drafts = [tokens]
+        ones = np.ones(len(batch.rows), dtype=np.int64)
+        for i in range(1, k):
+            flat = batch.step.prepare(batch.rows, positions + i - 1, ones)
+            tokens, state = self._draft_step(flat, tokens, state, i)
+            drafts.append(tokens)
+        draft_ids = torch.stack(drafts, dim=1).cpu().numpy()
+        return Proposal(draft_ids, np.full(len(batch.rows), k, dtype=np.int64))
+
+
+def step_indices(step_rows: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """Where each of ``rows`` lies among the step's ``step_rows``."""
+    order = {row: s for s, row in enumerate(step_rows)}
+    return np.array([order[row] for row in rows], dtype=np.int64)
