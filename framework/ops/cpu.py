@@ -161,7 +161,7 @@ def supports(*tensors: torch.Tensor | None) -> bool:
     """Whether the kernels can take these tensors: float32, on the CPU, last dim contiguous,
     and the library built."""
     for t in tensors:
-        if t is not None and (t.dtype != torch.float32 or t.device.type != "cpu" or t.stride(-1) != 1):
+        if t is not None and (t.dtype is not torch.float32 or not t.is_cpu or t.stride(-1) != 1):
             return False
     return load() is not None
 
@@ -169,7 +169,13 @@ def supports(*tensors: torch.Tensor | None) -> bool:
 def supports_kv_cache(kv_cache: torch.Tensor) -> bool:
     """Whether :func:`paged_decode_attention` reads this cache: float32 or float8, on the CPU,
     contiguous."""
-    return kv_cache.dtype in KV_FORMATS and kv_cache.device.type == "cpu" and kv_cache.is_contiguous()
+    return kv_cache.dtype in KV_FORMATS and kv_cache.is_cpu and kv_cache.is_contiguous()
+
+
+def _int64(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a contiguous int64 tensor, without a dispatcher call when it already is one
+    (the per-step index tensors, read by every layer)."""
+    return t if t.dtype is torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous()
 
 
 def paged_decode_attention(
@@ -198,7 +204,7 @@ def paged_decode_attention(
     _, h, d = query.shape
     if query.stride(1) != d or query.stride(2) != 1:
         query = query.contiguous()
-    rows, block_table, seq_lens = (t.to(torch.int64).contiguous() for t in (rows, block_table, seq_lens))
+    rows, block_table, seq_lens = _int64(rows), _int64(block_table), _int64(seq_lens)
     kvh, bs = key_cache.shape[2], key_cache.shape[1]
     load().paged_decode_attention(
         query.data_ptr(), query.stride(0), rows.data_ptr(), key_cache.data_ptr(),
@@ -250,7 +256,7 @@ def rotary_embedding(
     """Rotate ``query`` [T, H*head_size] and ``key`` [T, KVH*head_size] in place (rows may be
     strided views, features contiguous); ``cos_sin_cache`` [max_position, rotary_dim] is
     contiguous, cosines then sines; ``positions`` [T], each below max_position."""
-    positions = positions.to(torch.int64).contiguous()
+    positions = _int64(positions)
     t = query.shape[0]
     load().rotary_embedding(
         positions.data_ptr(), query.data_ptr(), query.stride(0), key.data_ptr(), key.stride(0),
