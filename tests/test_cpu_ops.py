@@ -186,3 +186,47 @@ def test_unavailable_kernels_leave_torch_paths(fresh_load, tmp_path, monkeypatch
     assert not cpu_ops.supports(x)
     torch.testing.assert_close(SiluAndMul()(x), SiluAndMul().forward_native(x))
     assert CpuPlatform.get_ops() == {}
+
+
+def _decode_attention_reference(q, kv, block_table, seq_lens, scale, window, k_scale, v_scale):
+    """Per request: softmax(q·k * scale) · v over its (windowed) context, heads grouped."""
+    h, kvh, d = q.shape[1], kv.shape[3], q.shape[2]
+    out = torch.empty_like(q)
+    for b, length in enumerate(seq_lens.tolist()):
+        blocks = block_table[b, : -(-length // kv.shape[2])]
+        k = kv[0, blocks].reshape(-1, kvh, d)[:length].float() * k_scale
+        v = kv[1, blocks].reshape(-1, kvh, d)[:length].float() * v_scale
+        first = max(0, length - window) if window else 0
+        k, v = k[first:].repeat_interleave(h // kvh, 1), v[first:].repeat_interleave(h // kvh, 1)
+        weights = torch.softmax(torch.einsum("hd,thd->ht", q[b], k) * scale, dim=-1)
+        out[b] = torch.einsum("ht,thd->hd", weights, v)
+    return out
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 5])
+@pytest.mark.parametrize("seq_lens", [[1], [37], [300], [16, 250], [5, 70, 129]])
+@pytest.mark.parametrize("window", [0, 40])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float8_e4m3fn])
+def test_decode_attention_splits_few_requests_over_threads(threads, seq_lens, window, kv_dtype):
+    """Fewer requests than threads: each request's blocks are split over the threads and the
+    partial softmaxes merged (a range may hold only masked-out or no blocks); the result is
+    that of one pass over the whole context."""
+    gen = torch.Generator().manual_seed(len(seq_lens) * 7 + threads)
+    h, kvh, d, bs, num_blocks = 6, 2, 64, 16, 64
+    kv = torch.randn(2, num_blocks, bs, kvh, d, generator=gen).to(kv_dtype)
+    lens = torch.tensor(seq_lens)
+    block_table = torch.stack([torch.randperm(num_blocks, generator=gen)[:20] for _ in seq_lens])
+    q = torch.randn(len(seq_lens), h, d, generator=gen)
+    out = torch.full_like(q, float("nan"))
+    k_scale, v_scale = (1.0, 1.0) if kv_dtype is torch.float32 else (0.5, 2.0)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        cpu_ops.paged_decode_attention(
+            q, out, torch.arange(len(seq_lens)), kv[0], kv[1], block_table, lens, max(seq_lens),
+            0.125, window or None, k_scale, v_scale,
+        )
+    finally:
+        torch.set_num_threads(previous)
+    ref = _decode_attention_reference(q, kv, block_table, lens, 0.125, window, k_scale, v_scale)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)
