@@ -67,7 +67,7 @@ class DecodeBatch:
     block_ids: torch.Tensor  # [B, max_blocks] int64
     seq_lens: torch.Tensor  # [B] int64
     max_len: int
-    mask: torch.Tensor  # [B, 1, 1, max_blocks * block_size] bool
+    mask: torch.Tensor | None  # [B, 1, 1, max_blocks * block_size] bool; None in a graph's plan
 
 
 @dataclass
@@ -85,12 +85,26 @@ class CpuSdpaMetadata:
     common: CommonAttentionMetadata
     block_size: int
     plans: dict[int | None, StepPlan] = field(default_factory=dict)
+    for_graph: bool = False
 
     def plan(self, sliding_window: int | None) -> StepPlan:
         """The step's plan for layers with this window, made on first use."""
         if sliding_window not in self.plans:
-            self.plans[sliding_window] = _make_plan(self.common, self.block_size, sliding_window)
+            make = _graph_plan if self.for_graph else _make_plan
+            self.plans[sliding_window] = make(self.common, self.block_size, sliding_window)
         return self.plans[sliding_window]
+
+
+def _graph_plan(common: CommonAttentionMetadata, bs: int, window: int | None) -> StepPlan:
+    """A decode batch over a graph's static buffers, one token per request: its own int64
+    copies of the sequence lengths and the whole block table (refreshed before each replay by
+    ``update_for_cudagraph``) and the graph's length bound as ``max_len``. No mask: a replayed
+    step only runs the C kernel, which needs none."""
+    n = common.num_reqs
+    decode = DecodeBatch(
+        torch.arange(n), common.block_table.long(), common.seq_lens.long(), common.max_seq_len, None
+    )
+    return StepPlan(decode, [])
 
 
 def _make_plan(common: CommonAttentionMetadata, bs: int, window: int | None) -> StepPlan:
@@ -151,6 +165,26 @@ class CpuSdpaMetadataBuilder(AttentionMetadataBuilder):
         )
 
 
+class CpuSdpaGraphBuilder(CpuSdpaMetadataBuilder):
+    """cpu_sdpa's builder, which also makes metadata for decode graphs (``GraphCapturableBuilder``):
+    its impl writes nothing for slot -1 and reads nothing past a request's length."""
+
+    def build_for_cudagraph(self, common: CommonAttentionMetadata) -> CpuSdpaMetadata:
+        """Metadata for a decode graph over the graph runner's static buffers (used by the CPU
+        platform's graphs, ``worker/cpu_graph.py``)."""
+        return CpuSdpaMetadata(
+            common.slot_mapping, common.num_actual_tokens, common, self.kv_cache_spec.block_size,
+            for_graph=True,
+        )
+
+    def update_for_cudagraph(self, metadata: CpuSdpaMetadata, common: CommonAttentionMetadata) -> None:
+        """Copy the new step's lengths and block table into each plan's buffers."""
+        for plan in metadata.plans.values():
+            assert plan.decode is not None
+            plan.decode.seq_lens.copy_(metadata.common.seq_lens)
+            plan.decode.block_ids.copy_(metadata.common.block_table)
+
+
 class CpuSdpaImpl(AttentionImpl):
     def forward(
         self,
@@ -169,8 +203,11 @@ class CpuSdpaImpl(AttentionImpl):
         flat_k = key_cache.view(num_blocks * bs, self.num_kv_heads, self.head_size)
         flat_v = value_cache.view(num_blocks * bs, self.num_kv_heads, self.head_size)
         ks, vs = self.k_scale, self.v_scale
-        kv_quant.write(flat_k, attn_metadata.slot_mapping, key[:n], ks)
-        kv_quant.write(flat_v, attn_metadata.slot_mapping, value[:n], vs)
+        if kv_cache.dtype is torch.float32 and cpu_ops.supports(key, value) and key.stride(1) == self.head_size:
+            cpu_ops.kv_cache_write(flat_k, flat_v, attn_metadata.slot_mapping, key[:n], value[:n])
+        else:
+            kv_quant.write(flat_k, attn_metadata.slot_mapping, key[:n], ks)
+            kv_quant.write(flat_v, attn_metadata.slot_mapping, value[:n], vs)
         gqa = self.num_heads != self.num_kv_heads
         plan = attn_metadata.plan(self.sliding_window)
 
@@ -260,6 +297,10 @@ class CpuSdpaBackend(CpuBackend):
     @staticmethod
     def get_name() -> str:
         return "cpu_sdpa"
+
+    @staticmethod
+    def get_metadata_builder_cls() -> type[AttentionMetadataBuilder]:
+        return CpuSdpaGraphBuilder
 
     @staticmethod
     def get_impl_cls() -> type[AttentionImpl]:

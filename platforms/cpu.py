@@ -19,6 +19,8 @@ if TYPE_CHECKING:
     from tokenmill.layers.activation import SiluAndMul
     from tokenmill.layers.layernorm import RMSNorm
     from tokenmill.layers.rotary_embedding import RotaryEmbedding
+    from tokenmill.layers.vocab_embedding import VocabParallelEmbedding
+    from tokenmill.worker.cuda_graph import DecodeGraphRunner
 
 
 def _cpu_has_fast_bf16() -> bool:
@@ -65,6 +67,14 @@ def rotary_embedding(
     return layer.forward_native(positions, query, key)
 
 
+def embedding(layer: VocabParallelEmbedding, input_ids: torch.Tensor) -> torch.Tensor:
+    """The C row gather for an unsharded float32 table and flat ids (the input processor has
+    checked every id against the vocabulary)."""
+    if layer.tp_size == 1 and input_ids.dim() == 1 and layer.weight.is_contiguous() and cpu_ops.supports(layer.weight):
+        return cpu_ops.embedding(input_ids, layer.weight)
+    return layer.forward_native(input_ids)
+
+
 class CpuPlatform(Platform):
     name = "cpu"
     device_type = "cpu"
@@ -74,6 +84,7 @@ class CpuPlatform(Platform):
         "rms_norm": rms_norm,
         "silu_and_mul": silu_and_mul,
         "rotary_embedding": rotary_embedding,
+        "embedding": embedding,
         "unquantized_linear": "tokenmill.platforms.cpu_linear:OneDNNLinearMethod",
         "unquantized_fused_moe": "tokenmill.platforms.cpu_fused_moe:OneDNNFusedMoEMethod",
     }
@@ -101,6 +112,16 @@ class CpuPlatform(Platform):
         don't take (not float32, features strided); none where the kernels cannot be built or
         ``TOKENMILL_DISABLE_CPU_KERNELS`` is set."""
         return super().get_ops() if cpu_ops.load() is not None else {}
+
+    @classmethod
+    def decode_graph_runner(cls, config: EngineConfig) -> type[DecodeGraphRunner] | None:
+        """Recorded C kernel calls (``tokenmill.worker.cpu_graph``) where the kernels load and
+        one process runs the whole model (collectives are not kernel calls)."""
+        if cpu_ops.load() is None or config.tensor_parallel_size * config.pipeline_parallel_size > 1:
+            return None
+        from tokenmill.worker.cpu_graph import CpuGraphRunner
+
+        return CpuGraphRunner
 
     @classmethod
     def import_kernels(cls) -> None:

@@ -20,7 +20,6 @@ two checkpoint entries, ``<layer>.qweight_type`` (the GGML type) and ``<layer>.q
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from typing import Any
 
 import gguf
@@ -103,7 +102,7 @@ class GGUFLinearMethod(LinearMethod):
             layer.qweight.data = qweight.contiguous()
             layer.qweight_type.data = torch.tensor(int(qtype))
             self.qtype, self.qtype_id, self.row_bytes = qtype, int(qtype), layer.qweight.shape[1]
-            self.kernel = kernel()
+            self.kernel_name = kernel_name()
         else:
             logger.info(
                 "%s: GGUF %s weights dequantized to float32 at load",
@@ -124,8 +123,10 @@ class GGUFLinearMethod(LinearMethod):
             t = x.shape[0]
             x = x.contiguous()
             y = x.new_empty(t, self.output_size)
-            self.kernel(self.qtype_id, layer.qweight.data_ptr(), self.row_bytes, x.data_ptr(), t,
-                        self.input_size, y.data_ptr(), self.output_size, torch.get_num_threads())
+            getattr(cpu_ops.load(), self.kernel_name)(
+                self.qtype_id, layer.qweight.data_ptr(), self.row_bytes, x.data_ptr(), t,
+                self.input_size, y.data_ptr(), self.output_size, torch.get_num_threads(),
+            )
             return y if bias is None else y.add_(bias)
         x2 = x.reshape(-1, self.input_size)
         if x2.shape[0] <= GEMV_MAX_ROWS:
@@ -140,12 +141,11 @@ def _dequantize_numpy(part: dict[str, torch.Tensor]) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32))
 
 
-def kernel() -> Callable[..., None]:
+def kernel_name() -> str:
     """The C product of GGUF blocks and float32 input rows: ``gguf_matmul`` (float32
     activations) when ``TOKENMILL_GGUF_FLOAT_ACTIVATIONS`` is set, else ``gguf_matmul_q8``
     (activations rounded to int8 blocks)."""
-    lib = cpu_ops.load()
-    return lib.gguf_matmul if envs.TOKENMILL_GGUF_FLOAT_ACTIVATIONS else lib.gguf_matmul_q8
+    return "gguf_matmul" if envs.TOKENMILL_GGUF_FLOAT_ACTIVATIONS else "gguf_matmul_q8"
 
 
 def matmul(qtype: Q, qweight: torch.Tensor, x: torch.Tensor, n: int) -> torch.Tensor:
@@ -153,7 +153,7 @@ def matmul(qtype: Q, qweight: torch.Tensor, x: torch.Tensor, n: int) -> torch.Te
     the C :func:`kernel`."""
     t, k = x.shape
     y = x.new_empty(t, n)
-    kernel()(
+    getattr(cpu_ops.load(), kernel_name())(
         int(qtype), qweight.data_ptr(), qweight.shape[1], x.data_ptr(), t, k, y.data_ptr(), n,
         torch.get_num_threads(),
     )

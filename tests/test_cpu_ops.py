@@ -13,6 +13,7 @@ from tokenmill.layers.activation import SiluAndMul
 from tokenmill.layers.build_context import BuildContext, model_build_context
 from tokenmill.layers.layernorm import RMSNorm
 from tokenmill.layers.rotary_embedding import RotaryEmbedding
+from tokenmill.layers.vocab_embedding import VocabParallelEmbedding
 from tokenmill.attention_backends.torch_ref import TorchRefBackend
 from tokenmill.ops import cpu as cpu_ops
 from tokenmill.platforms.cpu import CpuPlatform
@@ -29,7 +30,7 @@ def cpu_platform_ops():
 @pytest.fixture
 def kernel_calls(monkeypatch) -> dict[str, int]:
     """Counts calls of each layer kernel of ``cpu_ops``."""
-    calls = dict.fromkeys(["rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding"], 0)
+    calls = dict.fromkeys(["rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding", "embedding"], 0)
     for name in calls:
         kernel = getattr(cpu_ops, name)
 
@@ -98,7 +99,7 @@ def test_disabled_kernels_fall_back(monkeypatch):
 
 def test_op_table_calls_the_kernels(kernel_calls):
     assert set(CpuPlatform.get_ops()) == {
-        "rms_norm", "silu_and_mul", "rotary_embedding", "unquantized_linear", "unquantized_fused_moe"
+        "rms_norm", "silu_and_mul", "rotary_embedding", "embedding", "unquantized_linear", "unquantized_fused_moe"
     }
     norm, x = make_norm(16), torch.randn(4, 16)
     torch.testing.assert_close(norm(x), norm.forward_native(x))
@@ -106,6 +107,10 @@ def test_op_table_calls_the_kernels(kernel_calls):
     SiluAndMul()(torch.randn(4, 16))
     rope = RotaryEmbedding(8, 8, 64, 10000.0)
     rope(torch.arange(4), torch.randn(4, 16), torch.randn(4, 8))
+    embed = VocabParallelEmbedding(50, 16)
+    embed.weight.data.normal_()
+    ids = torch.tensor([3, 0, 49, 3])
+    torch.testing.assert_close(embed(ids), embed.forward_native(ids), atol=0, rtol=0)
     assert kernel_calls == dict.fromkeys(kernel_calls, 1)
 
 

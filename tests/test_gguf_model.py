@@ -109,3 +109,21 @@ def test_teacher_forced_tokens_agree_with_llamacpp(llm):
         total += len(forced)
     assert total == fixture["num_positions"]
     assert agree / total >= 0.95, f"{agree}/{total} positions agree with llama.cpp"
+
+
+def test_decode_graphs_give_the_eager_tokens(llm):
+    """The CPU decode graphs (``worker/cpu_graph.py``) capture the block kernels' decode steps,
+    and their tokens are the eager engine's."""
+    graphs = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner.graphs
+    assert graphs is not None and sorted(graphs.graphs) == [1, 2, 4, 8]
+    eager = LLM(
+        quantization="gguf",
+        kv_cache_memory_bytes=64 << 20,
+        max_model_len=512,
+        max_num_batched_tokens=GEMV_MAX_ROWS,
+        enforce_eager=True,
+    )
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    for prompts in (PROMPTS[:1], PROMPTS):
+        ours = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert ours == [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]

@@ -13,7 +13,8 @@ from tokenmill.platforms.cpu import CpuPlatform
 from tokenmill.platforms.cuda import CudaPlatform
 from tokenmill.platforms.rocm import RocmPlatform
 from tokenmill.selector import select_platform
-from tokenmill.worker.cuda_graph import CudaGraphRunner
+from tokenmill.worker.cpu_graph import CpuGraphRunner
+from tokenmill.worker.cuda_graph import CudaGraphRunner, DecodeGraphRunner
 
 GiB = 1 << 30
 
@@ -89,24 +90,24 @@ class _CapturableBuilder:
 
 
 @pytest.mark.parametrize(
-    "platform, enforce_eager, graphs",
+    "platform, enforce_eager, runner_cls",
     [
-        (CudaPlatform, False, True),
-        (RocmPlatform, False, True),
-        (CudaPlatform, True, False),
-        (CpuPlatform, False, False),
+        (CudaPlatform, False, CudaGraphRunner),
+        (RocmPlatform, False, CudaGraphRunner),
+        (CudaPlatform, True, None),
+        (CpuPlatform, False, CpuGraphRunner),
+        (CpuPlatform, True, None),
     ],
 )
-def test_cuda_graphs_are_the_platforms_decision(monkeypatch, platform, enforce_eager, graphs):
-    """The platform says whether decode steps are captured, not the device's type (capture is
-    stubbed: the device here is the CPU)."""
-    monkeypatch.setattr(CudaGraphRunner, "capture", lambda self: None)
+def test_decode_graphs_are_the_platforms_decision(monkeypatch, platform, enforce_eager, runner_cls):
+    """The platform names the kind of decode graphs, not the device's type (capture is stubbed
+    to one size: the device here is the CPU)."""
+    for cls in (CudaGraphRunner, CpuGraphRunner):
+        monkeypatch.setattr(cls, "capture", lambda self: self.graphs.update({1: None}))
     config = EngineConfig(enforce_eager=enforce_eager)
     config.platform_cls = platform
-    runner = CudaGraphRunner.create(
-        config, nn.Identity(), _CapturableBuilder(), 4, torch.device("cpu")
-    )
-    assert (runner is not None) == graphs
+    runner = DecodeGraphRunner.create(config, nn.Identity(), _CapturableBuilder(), 4, torch.device("cpu"))
+    assert (runner and type(runner)) is runner_cls
 
 
 def test_gpu_platforms_have_no_op_table():

@@ -12,10 +12,11 @@ from tokenmill.interfaces.attention import AttentionConfig
 
 if TYPE_CHECKING:
     from tokenmill.config import EngineConfig
+    from tokenmill.worker.cuda_graph import DecodeGraphRunner
 
 
 OP_NAMES = (
-    "rms_norm", "silu_and_mul", "rotary_embedding", "unquantized_linear", "unquantized_fused_moe"
+    "rms_norm", "silu_and_mul", "rotary_embedding", "embedding", "unquantized_linear", "unquantized_fused_moe"
 )
 """The ops a platform may replace: one per ``CustomOp`` layer (``tokenmill.layers``);
 ``unquantized_linear``, the :class:`~tokenmill.interfaces.quantization.LinearMethod` class
@@ -87,6 +88,17 @@ class Platform:
         """Whether decode steps may be captured and replayed as CUDA graphs (``enforce_eager``
         turns them off on any platform)."""
         return False
+
+    @classmethod
+    def decode_graph_runner(cls, config: EngineConfig) -> type[DecodeGraphRunner] | None:
+        """The runner that captures and replays decode steps on this platform (see
+        ``tokenmill.worker.cuda_graph``), or None to run every step eagerly: CUDA graphs where
+        :meth:`supports_cuda_graphs`."""
+        if cls.supports_cuda_graphs(config):
+            from tokenmill.worker.cuda_graph import CudaGraphRunner
+
+            return CudaGraphRunner
+        return None
 
     @classmethod
     def import_kernels(cls) -> None:

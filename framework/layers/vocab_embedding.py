@@ -13,16 +13,19 @@ from tokenmill.distributed.parallel_state import (
     tensor_model_parallel_all_reduce,
 )
 from tokenmill.layers.build_context import current_build_context
+from tokenmill.layers.custom_op import CustomOp
 from tokenmill.layers.linear import UnquantizedLinearMethod
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(CustomOp):
     """Embedding whose rows (token ids) are split over TP ranks.
 
     The vocabulary is padded to a multiple of the TP size; rank ``r`` holds ids
     ``[r*n, (r+1)*n)``. Each rank looks up the ids it owns, zeroes the rest, and an all-reduce
     assembles the full embeddings. Padding rows stay zero.
     """
+
+    op_name = "embedding"
 
     def __init__(self, num_embeddings: int, embedding_dim: int, prefix: str = "") -> None:
         super().__init__()
@@ -61,7 +64,7 @@ class VocabParallelEmbedding(nn.Module):
         end = min(self.vocab_end_index, self.num_embeddings)
         return loaded_weight[self.vocab_start_index : end]
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward_native(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
             return F.embedding(input_ids, self.weight)
         owned = (input_ids >= self.vocab_start_index) & (input_ids < self.vocab_end_index)

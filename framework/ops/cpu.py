@@ -32,7 +32,7 @@ from tokenmill import envs
 
 logger = logging.getLogger(__name__)
 
-SOURCES = ("attention.c", "norm.c", "activation.c", "rotary.c", "gguf.c", "quant_int.c", "quant_fp8.c")
+SOURCES = ("attention.c", "embedding.c", "norm.c", "activation.c", "rotary.c", "gguf.c", "quant_int.c", "quant_fp8.c")
 FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 # TOKENMILL_CPU_ISA: the compiler's instruction-set flags and the /proc/cpuinfo flags they need.
 ISA_FLAGS: dict[str, tuple[list[str], tuple[str, ...]]] = {
@@ -46,6 +46,8 @@ ISA_FLAGS: dict[str, tuple[list[str], tuple[str, ...]]] = {
 _I64, _F32, _PTR, _INT = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int
 SIGNATURES = {
     "paged_decode_attention": [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _F32, _F32, _INT, _I64, _I64, _INT],
+    "kv_cache_write": [_PTR, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64],
+    "embedding": [_PTR, _PTR, _PTR, _I64, _I64],
     "rms_norm": [_PTR, _PTR, _PTR, _I64, _I64, _F32, _INT],
     "fused_add_rms_norm": [_PTR, _PTR, _PTR, _I64, _I64, _F32, _INT],
     "silu_and_mul": [_PTR, _PTR, _I64, _I64, _INT],
@@ -212,6 +214,28 @@ def paged_decode_attention(
         seq_lens.data_ptr(), output.data_ptr(), rows.shape[0], h, kvh, d, bs, scale * k_scale,
         v_scale, KV_FORMATS[key_cache.dtype], max_len, sliding_window or 0, torch.get_num_threads(),
     )
+
+
+def kv_cache_write(
+    key_cache: torch.Tensor, value_cache: torch.Tensor, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+) -> None:
+    """Write ``key`` and ``value`` [n, kv_heads, D] (token rows may be strided, each token's
+    heads contiguous) into slots ``slots`` [n] of float32 caches [num_slots, kv_heads, D]
+    (contiguous); a negative slot writes nothing."""
+    slots = _int64(slots)
+    n, row = key.shape[0], key.shape[1] * key.shape[2]
+    load().kv_cache_write(
+        key_cache.data_ptr(), value_cache.data_ptr(), slots.data_ptr(), key.data_ptr(), key.stride(0),
+        value.data_ptr(), value.stride(0), n, row,
+    )
+
+
+def embedding(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Rows ``ids`` [n] of ``table`` [vocab, dim] (contiguous float32), as [n, dim]."""
+    ids = _int64(ids)
+    out = table.new_empty(ids.shape[0], table.shape[1])
+    load().embedding(out.data_ptr(), table.data_ptr(), ids.data_ptr(), ids.shape[0], table.shape[1])
+    return out
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

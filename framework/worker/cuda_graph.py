@@ -7,11 +7,13 @@ token) of ``n`` requests is copied into those buffers, padded to the nearest cap
 the graph is replayed. Prefill and mixed steps, and batches above the largest size, run eagerly.
 
 A backend takes part when its metadata builder implements :class:`GraphCapturableBuilder`.
+:class:`DecodeGraphRunner` holds what every kind of graph shares (static buffers, padding, the
+step's copy-in); the platform names its kind (``Platform.decode_graph_runner``): CUDA graphs
+here, recorded C kernel calls on the CPU (``worker/cpu_graph.py``).
 """
 
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -46,15 +48,10 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
     return sorted(sizes)
 
 
-@dataclass
-class _Graph:
-    graph: torch.cuda.CUDAGraph
-    metadata: Any
-    output: torch.Tensor
-
-
-class CudaGraphRunner:
-    """Captures and replays the model forward for decode-only batches.
+class DecodeGraphRunner:
+    """Captures the model forward for decode-only batches over static buffers and replays it;
+    subclasses say what a capture and a replay are (a CUDA graph here, recorded C kernel calls
+    in ``worker/cpu_graph.py``).
 
     ``max_blocks_per_req`` is the block-table width of the runner's input batch;
     ``max_model_len`` bounds every sequence a replay may see."""
@@ -81,7 +78,8 @@ class CudaGraphRunner:
             largest, max_blocks_per_req, dtype=torch.int32, device=device
         )
         self.slot_mapping = torch.full((largest,), -1, dtype=torch.int64, device=device)
-        self.graphs: dict[int, _Graph] = {}
+        self.graphs: dict[int, Any] = {}
+        """Size -> its captured graph (with ``metadata`` and ``output`` attributes)."""
 
     @classmethod
     def create(
@@ -91,44 +89,33 @@ class CudaGraphRunner:
         builder: Any,
         max_blocks_per_req: int,
         device: torch.device,
-    ) -> CudaGraphRunner | None:
-        """A runner with every size captured, or None where graphs don't apply: a platform
-        without them (``Platform.supports_cuda_graphs``), ``enforce_eager``, or a backend whose
-        builder cannot be captured."""
-        if config.enforce_eager or not config.platform_cls.supports_cuda_graphs(config):
+    ) -> DecodeGraphRunner | None:
+        """The platform's runner (``Platform.decode_graph_runner``) with its sizes captured, or
+        None where graphs don't apply: no runner on this platform, ``enforce_eager``, a backend
+        whose builder cannot be captured, or a runner that captured nothing."""
+        runner_cls = config.platform_cls.decode_graph_runner(config)
+        if runner_cls is None or config.enforce_eager:
             return None
         if not isinstance(builder, GraphCapturableBuilder):
             return None
-        runner = cls(
-            model,
-            builder,
-            capture_sizes(config.max_num_seqs),
-            max_blocks_per_req,
-            config.max_model_len,
-            device,
-        )
+        sizes = runner_cls.sizes_for(config.max_num_seqs)
+        runner = runner_cls(model, builder, sizes, max_blocks_per_req, config.max_model_len, device)
         runner.capture()
-        return runner
+        return runner if runner.graphs else None
 
-    @torch.inference_mode()
+    @staticmethod
+    def sizes_for(max_num_seqs: int) -> list[int]:
+        """The batch sizes to capture."""
+        return capture_sizes(max_num_seqs)
+
     def capture(self) -> None:
-        """Capture every size, largest first so the smaller graphs reuse its memory pool. Each
-        size first runs once eagerly (kernel compilation, backend planning). The dummy batch
-        gives every request one token of context in block 0 and writes no KV."""
-        pool = torch.cuda.graph_pool_handle()
-        self.seq_lens.fill_(1)
-        self.slot_mapping.fill_(-1)
-        for size in reversed(self.sizes):
-            common = self._common(size, torch.ones(size, dtype=torch.int32))
-            metadata = self.builder.build_for_cudagraph(common)
-            with set_forward_context(metadata):
-                self.model(self.input_ids[:size], self.positions[:size])
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    output = self.model(self.input_ids[:size], self.positions[:size])
-            self.graphs[size] = _Graph(graph, metadata, output)
-        torch.cuda.synchronize()
+        """Capture every size (``self.graphs``). The dummy batch gives every request one token
+        of context in block 0 and writes no KV."""
+        raise NotImplementedError
+
+    def replay(self, graph: Any) -> None:
+        """Run a captured graph over the static buffers."""
+        raise NotImplementedError
 
     def run(
         self, input_ids: torch.Tensor, positions: torch.Tensor, common: CommonAttentionMetadata
@@ -137,9 +124,9 @@ class CudaGraphRunner:
         step is not decode-only or is larger than the largest graph (run it eagerly). The
         result lives in the graphs' memory: use it before the next call."""
         n = common.num_reqs
-        if common.max_query_len != 1 or common.num_actual_tokens != n or n > self.sizes[-1]:
+        if common.max_query_len != 1 or common.num_actual_tokens != n or n > max(self.graphs):
             return None
-        size = self.sizes[bisect.bisect_left(self.sizes, n)]
+        size = min(s for s in self.graphs if s >= n)
         graph = self.graphs[size]
         self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(positions)
@@ -151,7 +138,7 @@ class CudaGraphRunner:
         seq_lens_cpu = torch.zeros(size, dtype=torch.int32)
         seq_lens_cpu[:n] = common.seq_lens_cpu
         self.builder.update_for_cudagraph(graph.metadata, self._common(size, seq_lens_cpu))
-        graph.graph.replay()
+        self.replay(graph)
         return graph.output[:n]
 
     def _common(self, size: int, seq_lens_cpu: torch.Tensor) -> CommonAttentionMetadata:
@@ -169,3 +156,36 @@ class CudaGraphRunner:
             max_query_len=1,
             max_seq_len=self.max_model_len,
         )
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    metadata: Any
+    output: torch.Tensor
+
+
+class CudaGraphRunner(DecodeGraphRunner):
+    """CUDA graphs, one per size, sharing one memory pool."""
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Largest size first so the smaller graphs reuse its memory pool. Each size first runs
+        once eagerly (kernel compilation, backend planning)."""
+        pool = torch.cuda.graph_pool_handle()
+        self.seq_lens.fill_(1)
+        self.slot_mapping.fill_(-1)
+        for size in reversed(self.sizes):
+            common = self._common(size, torch.ones(size, dtype=torch.int32))
+            metadata = self.builder.build_for_cudagraph(common)
+            with set_forward_context(metadata):
+                self.model(self.input_ids[:size], self.positions[:size])
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    output = self.model(self.input_ids[:size], self.positions[:size])
+            self.graphs[size] = _Graph(graph, metadata, output)
+        torch.cuda.synchronize()
+
+    def replay(self, graph: _Graph) -> None:
+        graph.graph.replay()

@@ -33,7 +33,7 @@ from tokenmill.sample.sampler import Penalties, Sampler, SamplerOutput, Sampling
 from tokenmill.sampling_params import GREEDY_TEMPERATURE_EPS, SamplingParams
 from tokenmill.selector import AttentionSelector
 from tokenmill.structured_output.bitmask import apply_grammar_bitmask
-from tokenmill.worker.cuda_graph import CudaGraphRunner
+from tokenmill.worker.cuda_graph import DecodeGraphRunner
 from tokenmill.worker import spec_decode
 from tokenmill.worker.attention_groups import (
     LayerMetadataBuilder,
@@ -83,7 +83,7 @@ class ModelRunner:
         self.preempted: dict[str, _PreemptedState] = {}
         self.batch: InputBatch | None = None
         self.metadata_builder: LayerMetadataBuilder | None = None
-        self.cuda_graphs: CudaGraphRunner | None = None
+        self.graphs: DecodeGraphRunner | None = None
         self.proposer: Proposer | None = None
         if config.speculative is not None:
             from tokenmill import plugins
@@ -153,7 +153,7 @@ class ModelRunner:
         )
         # A target that also returns intermediate states (for an EAGLE-3 head) runs eagerly.
         if not getattr(getattr(self.model, "model", None), "aux_hidden_state_layers", ()):
-            self.cuda_graphs = CudaGraphRunner.create(
+            self.graphs = DecodeGraphRunner.create(
                 self.config, self.model, self.metadata_builder, max_blocks, self.device
             )
 
@@ -264,7 +264,7 @@ class ModelRunner:
         input_ids_t, positions_t, common, cu = self._flatten(rows, num_computed, num_sched)
         seq_lens = num_computed + num_sched
         batch.num_computed_tokens[rows] = seq_lens
-        hidden = self.cuda_graphs.run(input_ids_t, positions_t, common) if self.cuda_graphs else None
+        hidden = self.graphs.run(input_ids_t, positions_t, common) if self.graphs else None
         aux_hidden = None
         if hidden is None:
             attn_metadata = self.metadata_builder.build(common)

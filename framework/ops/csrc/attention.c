@@ -153,6 +153,11 @@ void paged_decode_attention(
             const int64_t nr = nblk - j0 < nsplit ? nblk - j0 : nsplit;
             const float *qb = q + rows[b] * q_stride;
             const int64_t *bt = block_table + b * table_stride;
+            if (L <= 0) {
+                /* A padding row of a captured decode batch: no context, output zero. */
+                if (r == 0) memset(out + rows[b] * H * D, 0, sizeof(float) * H * D);
+                continue;
+            }
             if (nsplit == 1) {
                 float *acc = out + rows[b] * H * D;
                 attend_blocks(&s, qb, bt, j0, nblk, first, L, scores, buf, acc, ml, ml + H);
@@ -175,6 +180,7 @@ void paged_decode_attention(
             #pragma omp for
             for (int64_t b = 0; b < B; ++b) {
                 float *acc = out + rows[b] * H * D;
+                if (seq_lens[b] <= 0) continue;
                 for (int64_t h = 0; h < H; ++h) {
                     float M = -INFINITY, den = 0.f;
                     for (int64_t r = 0; r < nsplit; ++r) {
@@ -201,4 +207,17 @@ void paged_decode_attention(
         free(buf);
     }
     free(parts);
+}
+
+/* Each token's key and value rows (kvh * D floats; rows key_stride / value_stride floats apart)
+   into slot slots[i] of the float32 caches [num_slots, kvh * D]; a negative slot writes
+   nothing. */
+void kv_cache_write(float *key_cache, float *value_cache, const int64_t *slots, const float *key,
+                    int64_t key_stride, const float *value, int64_t value_stride, int64_t n, int64_t row)
+{
+    for (int64_t i = 0; i < n; ++i) {
+        if (slots[i] < 0) continue;
+        memcpy(key_cache + slots[i] * row, key + i * key_stride, sizeof(float) * row);
+        memcpy(value_cache + slots[i] * row, value + i * value_stride, sizeof(float) * row);
+    }
 }

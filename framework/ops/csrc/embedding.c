@@ -1,0 +1,9 @@
+/* Token embedding: rows of a float32 table gathered by token id. */
+#include <stdint.h>
+#include <string.h>
+
+/* out[i] = table[ids[i]] for n ids, rows of dim floats. */
+void embedding(float *out, const float *table, const int64_t *ids, int64_t n, int64_t dim)
+{
+    for (int64_t i = 0; i < n; ++i) memcpy(out + i * dim, table + ids[i] * dim, sizeof(float) * dim);
+}

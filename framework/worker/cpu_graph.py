@@ -1,0 +1,146 @@
+"""Decode graphs on the CPU: a decode step's C kernel calls, recorded once and replayed.
+
+A small batch's decode step on the CPU is mostly Python: each layer walks a dozen modules to
+issue a handful of C kernel calls (``tokenmill.ops.cpu``), most only microseconds of work. Like a
+CUDA graph, a CPU graph records those calls once per batch size over the static input and
+metadata buffers of :class:`~tokenmill.worker.cuda_graph.DecodeGraphRunner`, and a decode step
+replays them with no module, dispatcher or allocator between them.
+
+A capture is kept only when the forward is nothing but C kernel calls on memory that stays put:
+it runs under a torch dispatch mode that refuses every torch op other than allocating and
+viewing (a oneDNN product, an ``index_copy_``, an add); the tensors it allocates are held by the
+graph, so the recorded pointers stay valid; and a replay must reproduce the eager forward bit for
+bit. A size that fails any of these ends the capture (larger ones would fail alike) and runs
+eagerly. In practice: the quantization methods with C kernels (gguf, int8, int4, fp8) are
+captured at decode sizes; float32 weights (oneDNN products) are not. Graphs stop at
+``MAX_SIZE`` requests: beyond that the Python cost is shared by enough rows to matter little.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from tokenmill.forward_context import set_forward_context
+from tokenmill.ops import cpu as cpu_ops
+from tokenmill.worker.cuda_graph import DecodeGraphRunner, capture_sizes
+
+logger = logging.getLogger(__name__)
+
+MAX_SIZE = 8
+
+_aten = torch.ops.aten
+ALLOWED_OPS = {
+    _aten.empty, _aten.empty_like, _aten.new_empty, _aten.empty_strided, _aten.new_empty_strided,
+    _aten.view, _aten._unsafe_view, _aten._reshape_alias, _aten.as_strided, _aten.alias,
+    _aten.detach, _aten.split, _aten.split_with_sizes, _aten.unbind, _aten.slice, _aten.select,
+    _aten.transpose, _aten.t, _aten.permute, _aten.unsqueeze, _aten.squeeze, _aten.expand,
+}
+"""Torch ops a captured forward may run: they allocate or view, and compute nothing."""
+VIEW_OR_COPY_OPS = {_aten.reshape, _aten.flatten, _aten.contiguous}
+"""Ops a captured forward may run when they return a view of their input (no copy)."""
+
+
+class NotCapturable(Exception):
+    """Why a forward cannot be replayed from its kernel calls."""
+
+
+class _Recorder(TorchDispatchMode):
+    """While active: every C kernel call of ``tokenmill.ops.cpu`` is run and recorded, every
+    tensor a torch op returns is kept, and torch ops outside ``ALLOWED_OPS`` are noted."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lib = cpu_ops.load()
+        self.calls: list[tuple[Any, tuple[Any, ...]]] = []
+        self.kept: list[Any] = []
+        self.refused: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        op = func.overloadpacket
+        if op not in ALLOWED_OPS and not (op in VIEW_OR_COPY_OPS and _same_storage(out, args[0])):
+            self.refused.add(str(op))
+        self.kept.append(out)
+        return out
+
+    def __enter__(self) -> _Recorder:
+        self.kernels = {name: getattr(self.lib, name) for name in cpu_ops.SIGNATURES}
+        for name, kernel in self.kernels.items():
+
+            def record(*args: Any, _kernel: Any = kernel) -> None:
+                _kernel(*args)
+                self.calls.append((_kernel, args))
+
+            setattr(self.lib, name, record)
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        for name, kernel in self.kernels.items():
+            setattr(self.lib, name, kernel)
+        super().__exit__(*exc)
+
+
+def _same_storage(a: Any, b: Any) -> bool:
+    return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and (
+        a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    )
+
+
+@dataclass
+class CpuGraph:
+    calls: list[tuple[Any, tuple[Any, ...]]]
+    kept: list[Any]
+    metadata: Any
+    output: torch.Tensor
+
+
+class CpuGraphRunner(DecodeGraphRunner):
+    """Recorded C kernel calls, one list per size, smallest size first."""
+
+    @staticmethod
+    def sizes_for(max_num_seqs: int) -> list[int]:
+        return [s for s in capture_sizes(max_num_seqs) if s <= MAX_SIZE]
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        self.seq_lens.fill_(1)
+        self.slot_mapping.fill_(-1)
+        for size in self.sizes:
+            try:
+                self.graphs[size] = self._capture(size)
+            except NotCapturable as e:
+                if self.graphs:
+                    logger.info("CPU decode graphs up to %d requests (%d: %s)", max(self.graphs), size, e)
+                else:
+                    logger.info("CPU decode graphs off: %s", e)
+                break
+
+    def _capture(self, size: int) -> CpuGraph:
+        common = self._common(size, torch.ones(size, dtype=torch.int32))
+        metadata = self.builder.build_for_cudagraph(common)
+        ids, positions = self.input_ids[:size], self.positions[:size]
+        with set_forward_context(metadata):
+            try:
+                expected = self.model(ids, positions).clone()
+            except (IndexError, RuntimeError) as e:
+                # e.g. a torch KV write (a float8 cache) given the padding slot -1
+                raise NotCapturable(f"the forward fails on a padded batch ({e})") from e
+            with _Recorder() as recorder:
+                output = self.model(ids, positions)
+        if recorder.refused:
+            raise NotCapturable(f"the forward runs torch op(s) {', '.join(sorted(recorder.refused))}")
+        graph = CpuGraph(recorder.calls, recorder.kept, metadata, output)
+        output.fill_(float("nan"))
+        self.replay(graph)
+        if not torch.equal(output, expected):
+            raise NotCapturable("a replay differs from the eager forward")
+        return graph
+
+    def replay(self, graph: CpuGraph) -> None:
+        for kernel, args in graph.calls:
+            kernel(*args)

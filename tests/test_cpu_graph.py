@@ -1,0 +1,64 @@
+"""CPU decode graphs (``worker/cpu_graph.py``): captured where a decode forward is only C kernel
+calls, refused where it runs torch compute, and a replayed step gives the eager engine's
+tokens, padded batch sizes included."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import make_tiny_checkpoint
+from tokenmill import LLM, SamplingParams
+from tokenmill.worker.cpu_graph import CpuGraphRunner
+
+ENGINE = dict(block_size=8, max_model_len=256, num_kv_blocks=128, enable_prefix_caching=False)
+PROMPTS = [[(7 * i + j) % 250 + 3 for j in range(5 + 3 * i)] for i in range(10)]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), "llama")
+
+
+def graph_runner(llm: LLM):
+    return llm.llm_engine.engine_core.engine_core.executor.worker.model_runner.graphs
+
+
+def generate(llm: LLM, n: int) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:n]], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.mark.parametrize("quantization", ["int8", "fp8"])
+def test_replays_give_the_eager_tokens(tiny, quantization, monkeypatch):
+    llm = LLM(model=tiny, quantization=quantization, **ENGINE)
+    runner = graph_runner(llm)
+    assert isinstance(runner, CpuGraphRunner) and sorted(runner.graphs) == [1, 2, 4, 8]
+    size_of = {id(graph): size for size, graph in runner.graphs.items()}
+    replayed: list[int] = []
+    replay = CpuGraphRunner.replay
+    monkeypatch.setattr(
+        CpuGraphRunner, "replay", lambda self, graph: (replayed.append(size_of[id(graph)]), replay(self, graph))
+    )
+    eager = LLM(model=tiny, quantization=quantization, enforce_eager=True, **ENGINE)
+    assert graph_runner(eager) is None
+    for n in (1, 3, 8, 10):
+        assert generate(llm, n) == generate(eager, n), f"{n} requests"
+    # 3 requests replay the graph of 4 (one padding row); 10 run eagerly.
+    assert {1, 4, 8} <= set(replayed)
+
+
+def test_float32_products_run_eagerly(tiny, tokenmill_log):
+    llm = LLM(model=tiny, **ENGINE)
+    assert graph_runner(llm) is None
+    assert any("CPU decode graphs off: the forward runs torch op(s)" in m for _, _, m in tokenmill_log)
+    assert generate(llm, 2) == generate(LLM(model=tiny, enforce_eager=True, **ENGINE), 2)
+
+
+def test_a_forward_failing_on_padding_runs_eagerly(tiny, tokenmill_log):
+    """A float8 KV cache is written by torch's index_copy_, which takes no padding slot -1."""
+    llm = LLM(model=tiny, quantization="int8", kv_cache_dtype="fp8", **ENGINE)
+    assert graph_runner(llm) is None
+    assert any("CPU decode graphs off: the forward fails on a padded batch" in m for _, _, m in tokenmill_log)
+    eager = LLM(model=tiny, quantization="int8", kv_cache_dtype="fp8", enforce_eager=True, **ENGINE)
+    assert generate(llm, 3) == generate(eager, 3)
