@@ -29,9 +29,22 @@ def generate(llm: LLM, n: int) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
-@pytest.mark.parametrize("quantization", ["int8", "fp8"])
-def test_replays_give_the_eager_tokens(tiny, quantization, monkeypatch):
-    llm = LLM(model=tiny, quantization=quantization, **ENGINE)
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory, tiny) -> dict[str, str]:
+    """Llama, Qwen2 (biased q/k/v) and Mistral with a sliding window shorter than the prompts."""
+    return {
+        "llama": tiny,
+        "qwen2": make_tiny_checkpoint(tmp_path_factory.mktemp("qwen2"), "qwen2"),
+        "mistral-window": make_tiny_checkpoint(tmp_path_factory.mktemp("mistral"), "mistral", sliding_window=12),
+    }
+
+
+@pytest.mark.parametrize(
+    "arch, quantization", [("llama", "int8"), ("llama", "fp8"), ("qwen2", "int8"), ("mistral-window", "int8")]
+)
+def test_replays_give_the_eager_tokens(checkpoints, arch, quantization, monkeypatch):
+    model = checkpoints[arch]
+    llm = LLM(model=model, quantization=quantization, **ENGINE)
     runner = graph_runner(llm)
     assert isinstance(runner, CpuGraphRunner) and sorted(runner.graphs) == [1, 2, 4, 8]
     size_of = {id(graph): size for size, graph in runner.graphs.items()}
@@ -40,7 +53,7 @@ def test_replays_give_the_eager_tokens(tiny, quantization, monkeypatch):
     monkeypatch.setattr(
         CpuGraphRunner, "replay", lambda self, graph: (replayed.append(size_of[id(graph)]), replay(self, graph))
     )
-    eager = LLM(model=tiny, quantization=quantization, enforce_eager=True, **ENGINE)
+    eager = LLM(model=model, quantization=quantization, enforce_eager=True, **ENGINE)
     assert graph_runner(eager) is None
     for n in (1, 3, 8, 10):
         assert generate(llm, n) == generate(eager, n), f"{n} requests"
