@@ -42,11 +42,12 @@ def checkpoints(tmp_path_factory, tiny) -> dict[str, str]:
 @pytest.mark.parametrize(
     "arch, quantization", [("llama", "int8"), ("llama", "fp8"), ("qwen2", "int8"), ("mistral-window", "int8")]
 )
-def test_replays_give_the_eager_tokens(checkpoints, arch, quantization, monkeypatch):
+def test_replays_give_the_eager_tokens(checkpoints, arch, quantization, monkeypatch, tokenmill_log):
     model = checkpoints[arch]
     llm = LLM(model=model, quantization=quantization, **ENGINE)
     runner = graph_runner(llm)
     assert isinstance(runner, CpuGraphRunner) and sorted(runner.graphs) == [1, 2, 4, 8]
+    assert any(m.startswith("CPU decode graphs for 1, 2, 4, 8 requests") for _, _, m in tokenmill_log)
     size_of = {id(graph): size for size, graph in runner.graphs.items()}
     replayed: list[int] = []
     replay = CpuGraphRunner.replay

@@ -114,11 +114,16 @@ class CpuGraphRunner(DecodeGraphRunner):
             try:
                 self.graphs[size] = self._capture(size)
             except NotCapturable as e:
-                if self.graphs:
-                    logger.info("CPU decode graphs up to %d requests (%d: %s)", max(self.graphs), size, e)
-                else:
+                if not self.graphs:
                     logger.info("CPU decode graphs off: %s", e)
+                    return
+                logger.info("CPU decode graphs stop at %d requests (%d: %s)", max(self.graphs), size, e)
                 break
+        logger.info(
+            "CPU decode graphs for %s requests (%d kernel calls per step at 1)",
+            ", ".join(map(str, self.graphs)),
+            len(self.graphs[min(self.graphs)].calls),
+        )
 
     def _capture(self, size: int) -> CpuGraph:
         common = self._common(size, torch.ones(size, dtype=torch.int32))
