@@ -76,3 +76,21 @@ def test_a_forward_failing_on_padding_runs_eagerly(tiny, tokenmill_log):
     assert any("CPU decode graphs off: the forward fails on a padded batch" in m for _, _, m in tokenmill_log)
     eager = LLM(model=tiny, quantization="int8", kv_cache_dtype="fp8", enforce_eager=True, **ENGINE)
     assert generate(llm, 3) == generate(eager, 3)
+
+
+def test_kernel_calls_of_other_threads_are_not_recorded():
+    """Another engine running in another thread while one captures: its calls run, unrecorded."""
+    import threading
+
+    import torch
+
+    from tokenmill.ops import cpu as cpu_ops
+    from tokenmill.worker.cpu_graph import _Recorder
+
+    x, weight = torch.randn(2, 16), torch.ones(16)
+    with _Recorder() as recorder:
+        other = threading.Thread(target=cpu_ops.rms_norm, args=(x, weight, 1e-5))
+        other.start()
+        other.join()
+        cpu_ops.silu_and_mul(x)
+    assert [kernel.__name__ for kernel, _ in recorder.calls] == ["silu_and_mul"]

@@ -19,6 +19,7 @@ captured at decode sizes; float32 weights (oneDNN products) are not. Graphs stop
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,6 +60,8 @@ class _Recorder(TorchDispatchMode):
         self.calls: list[tuple[Any, tuple[Any, ...]]] = []
         self.kept: list[Any] = []
         self.refused: set[str] = set()
+        self.thread = threading.get_ident()
+        """The capturing thread: another engine's kernel calls in another thread run unrecorded."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -74,7 +77,8 @@ class _Recorder(TorchDispatchMode):
 
             def record(*args: Any, _kernel: Any = kernel) -> None:
                 _kernel(*args)
-                self.calls.append((_kernel, args))
+                if threading.get_ident() == self.thread:
+                    self.calls.append((_kernel, args))
 
             setattr(self.lib, name, record)
         return super().__enter__()
