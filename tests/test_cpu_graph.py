@@ -62,11 +62,28 @@ def test_replays_give_the_eager_tokens(checkpoints, arch, quantization, monkeypa
     assert {1, 4, 8} <= set(replayed)
 
 
-def test_float32_products_run_eagerly(tiny, tokenmill_log):
+def test_float32_decode_is_captured_while_it_streams_the_weights(tiny):
+    """Float32 layers multiply up to STREAM_MAX_ROWS rows by the C kernel, so those decode
+    sizes are graphs; above it oneDNN runs and the capture stops."""
+    from tokenmill.platforms.cpu_linear import STREAM_MAX_ROWS
+
     llm = LLM(model=tiny, **ENGINE)
+    runner = graph_runner(llm)
+    assert runner is not None and max(runner.graphs) == max(s for s in (1, 2, 4, 8) if s <= STREAM_MAX_ROWS)
+    eager = LLM(model=tiny, enforce_eager=True, **ENGINE)
+    for n in (1, 3):
+        assert generate(llm, n) == generate(eager, n)
+
+
+def test_a_torch_op_in_the_forward_runs_eagerly(tiny, tokenmill_log, monkeypatch):
+    """An op-table entry that computes in torch (here SiLU-and-mul) refuses the capture."""
+    from tokenmill.platforms.cpu import CpuPlatform
+
+    monkeypatch.setitem(CpuPlatform.custom_ops, "silu_and_mul", lambda layer, x: layer.forward_native(x))
+    llm = LLM(model=tiny, quantization="int8", **ENGINE)
     assert graph_runner(llm) is None
-    assert any("CPU decode graphs off: the forward runs torch op(s)" in m for _, _, m in tokenmill_log)
-    assert generate(llm, 2) == generate(LLM(model=tiny, enforce_eager=True, **ENGINE), 2)
+    assert any("CPU decode graphs off: the forward runs torch op(s)" in m and "aten.mul" in m for _, _, m in tokenmill_log)
+    assert generate(llm, 2) == generate(LLM(model=tiny, quantization="int8", enforce_eager=True, **ENGINE), 2)
 
 
 def test_a_forward_failing_on_padding_runs_eagerly(tiny, tokenmill_log):

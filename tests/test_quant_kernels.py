@@ -1,5 +1,6 @@
-"""The quantized-weight C kernels against torch's dequantize-then-matmul, on random shapes with
-odd sizes; the layouts' pack/unpack and quantizers."""
+"""The quantized-weight C kernels (and the float32 one that shares their tiles) against torch's
+dequantize-then-matmul, on random shapes with odd sizes; the layouts' pack/unpack and
+quantizers."""
 
 from __future__ import annotations
 
@@ -42,6 +43,18 @@ def test_int8_kernel_equals_dequantized_matmul(m, n, k, with_bias):
     deq = q.float() * scale[:, None]
     close(cpu_quant.int8_linear(x, q, scale, bias), torch.nn.functional.linear(x, deq, bias))
     assert torch.equal(cpu_quant.int8_dequantize(q, scale), deq)
+
+
+@pytest.mark.parametrize("m,n,k", SHAPES + ODD_K)
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_float32_kernel_equals_linear(m, n, k, with_bias):
+    x, w, bias = _inputs(m, n, k, m + n * k)
+    bias = bias if with_bias else None
+    wide = torch.randn(m, k + 11)
+    wide[:, 3 : 3 + k] = x
+    ref = torch.nn.functional.linear(x, w, bias)
+    close(cpu_quant.f32_linear(x, w, bias), ref)
+    close(cpu_quant.f32_linear(wide[:, 3 : 3 + k], w, bias), ref)
 
 
 def test_int8_kernel_takes_strided_rows():

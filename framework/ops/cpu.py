@@ -56,6 +56,7 @@ SIGNATURES = {
     "gguf_matmul_q8": [_INT, _PTR, _I64, _PTR, _I64, _I64, _PTR, _I64, _INT],
     "gguf_dequantize": [_INT, _PTR, _I64, _I64, _I64, _PTR, _INT],
     "int8_linear": [_PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _INT],
+    "f32_linear": [_PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _INT],
     "int8_dequantize": [_PTR, _PTR, _PTR, _I64, _I64, _INT],
     "int4_linear": [_PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _INT],
     "int4_dequantize": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _INT],

@@ -1,6 +1,7 @@
 """The quantized-weight CPU kernels (``csrc/quant_int.c``, ``csrc/quant_fp8.c``): linear layers
 on int8, group-wise int4 and FP8 (e4m3fn) weights, the matching dequantizers, and W8A8's
-dynamic per-row activation quantizer.
+dynamic per-row activation quantizer; and, by the same register tiles, the float32 product of a
+few input rows (decode) that reads each weight once.
 
 Inputs ``x`` are 2-D float32 CPU tensors with contiguous rows (any row stride); weights and
 their scales are contiguous, as the quantization methods in ``tokenmill.quant`` store them.
@@ -34,6 +35,12 @@ def int8_linear(
     return _linear(
         "int8_linear", x, weight.shape[0], x.data_ptr(), x.stride(0), weight.data_ptr(), scale.data_ptr(), _ptr(bias)
     )
+
+
+def f32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ weight.T + bias`` for a contiguous float32 ``weight`` [N, K], each weight read once
+    (a few rows: decode)."""
+    return _linear("f32_linear", x, weight.shape[0], x.data_ptr(), x.stride(0), weight.data_ptr(), _ptr(bias))
 
 
 def _out(out: torch.Tensor | None, n: int, k: int) -> torch.Tensor:

@@ -5,7 +5,8 @@
      nibble and column j + 16 in its high nibble;
    - w8a8: int8 weights times int8 activations quantized per row (dynamic, symmetric), summed
      in int32.
-   Weight-only kernels run quant_tile.h's tiled_linear on their rows widened to float. The
+   Weight-only kernels run quant_tile.h's tiled_linear on their rows widened to float (float32
+   weights, f32_linear, its streamed_linear on the rows as they are). The
    dequantize kernels write the float weight for callers that hand large batches to a float
    GEMM. */
 #include <math.h>
@@ -36,6 +37,12 @@ static void int4_row(float *dst, const uint8_t *w, const float *scale, const flo
 void int8_linear(float *out, const float *x, int64_t ldx, const int8_t *w, const float *scale,
                  const float *bias, int64_t M, int64_t N, int64_t K, int nthreads) {
     tiled_linear(out, x, ldx, int8_row, w, scale, bias, M, N, K, nthreads);
+}
+
+/* Float32 weights: out [M, N] = x [M, K] (row stride ldx) W^T + bias[n] (may be NULL). */
+void f32_linear(float *out, const float *x, int64_t ldx, const float *w, const float *bias,
+                int64_t M, int64_t N, int64_t K, int nthreads) {
+    streamed_linear(out, x, ldx, w, bias, M, N, K, nthreads);
 }
 
 /* out [N, K] = W * scale[n]. */

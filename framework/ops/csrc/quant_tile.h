@@ -110,6 +110,30 @@ tiled_linear(float *out, const float *x, int64_t ldx, widen_row_fn widen, const 
     }
 }
 
+/* out [M, N] = x [M, K] (row stride ldx) W^T + bias[n] (may be NULL) for a float32 W [N, K]:
+   the tiles read the weight rows in place (NR consecutive rows are one contiguous run, so each
+   thread streams its share of W once, front to back); only a last partial block of rows is
+   copied, padded with its first row. */
+static inline void streamed_linear(float *out, const float *x, int64_t ldx, const float *w,
+                                   const float *bias, int64_t M, int64_t N, int64_t K, int nthreads) {
+    #pragma omp parallel num_threads(nthreads)
+    {
+        float *tail = NULL;
+        #pragma omp for schedule(static)
+        for (int64_t n0 = 0; n0 < N; n0 += NR) {
+            const int nr = N - n0 < NR ? (int)(N - n0) : NR;
+            const float *wb = w + n0 * K;
+            if (nr < NR) {
+                tail = malloc(sizeof(float) * NR * K);
+                for (int j = 0; j < NR; ++j) memcpy(tail + j * K, w + (n0 + (j < nr ? j : 0)) * K, sizeof(float) * K);
+                wb = tail;
+            }
+            rows_times_block(out, x, ldx, wb, nr, NULL, bias, M, N, K, n0);
+        }
+        free(tail);
+    }
+}
+
 /* out [N, K] = W * scale[n] (scale may be NULL), W's rows widened by `widen`. */
 static inline __attribute__((always_inline)) void
 dequantize_rows(float *out, widen_row_fn widen, const void *weights, const float *scale, int64_t N,
