@@ -68,6 +68,6 @@ class OneDNNLinearMethod(UnquantizedLinearMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.packed is None or x.dtype != torch.float32 or x.shape[-1] != self.packed.shape[1]:
             return F.linear(x, layer.weight, bias)
-        if x.dim() == 2 and x.shape[0] <= STREAM_MAX_ROWS and self.streamable:
+        if x.dim() == 2 and x.shape[0] <= STREAM_MAX_ROWS and self.streamable and x.stride(1) == 1:
             return cpu_quant.f32_linear(x, layer.weight, bias)
         return onednn_linear(x, self.packed, bias)
