@@ -203,11 +203,17 @@ class CpuSdpaImpl(AttentionImpl):
         flat_k = key_cache.view(num_blocks * bs, self.num_kv_heads, self.head_size)
         flat_v = value_cache.view(num_blocks * bs, self.num_kv_heads, self.head_size)
         ks, vs = self.k_scale, self.v_scale
-        if kv_cache.dtype is torch.float32 and cpu_ops.supports(key, value) and key.stride(1) == self.head_size:
-            cpu_ops.kv_cache_write(flat_k, flat_v, attn_metadata.slot_mapping, key[:n], value[:n])
+        slots, key_n, value_n = attn_metadata.slot_mapping, key[:n], value[:n]
+        heads_contiguous = key.stride(1) == value.stride(1) == self.head_size
+        if kv_cache.dtype is torch.float32 and heads_contiguous and cpu_ops.supports(key, value):
+            cpu_ops.kv_cache_write(flat_k, flat_v, slots, key_n, value_n)
         else:
-            kv_quant.write(flat_k, attn_metadata.slot_mapping, key[:n], ks)
-            kv_quant.write(flat_v, attn_metadata.slot_mapping, value[:n], vs)
+            if attn_metadata.for_graph:
+                # A graph's padding rows carry slot -1, which index_copy_ does not take.
+                real = slots >= 0
+                slots, key_n, value_n = slots[real], key_n[real], value_n[real]
+            kv_quant.write(flat_k, slots, key_n, ks)
+            kv_quant.write(flat_v, slots, value_n, vs)
         gqa = self.num_heads != self.num_kv_heads
         plan = attn_metadata.plan(self.sliding_window)
 

@@ -86,11 +86,15 @@ def test_a_torch_op_in_the_forward_runs_eagerly(tiny, tokenmill_log, monkeypatch
     assert generate(llm, 2) == generate(LLM(model=tiny, quantization="int8", enforce_eager=True, **ENGINE), 2)
 
 
-def test_a_forward_failing_on_padding_runs_eagerly(tiny, tokenmill_log):
-    """A float8 KV cache is written by torch's index_copy_, which takes no padding slot -1."""
+def test_a_float8_kv_cache_runs_eagerly(tiny, tokenmill_log):
+    """A float8 KV cache is written by torch (quantize, index_copy_): the capture of the padded
+    dummy batch runs, and refuses those ops."""
     llm = LLM(model=tiny, quantization="int8", kv_cache_dtype="fp8", **ENGINE)
     assert graph_runner(llm) is None
-    assert any("CPU decode graphs off: the forward fails on a padded batch" in m for _, _, m in tokenmill_log)
+    assert any(
+        "CPU decode graphs off: the forward runs torch op(s)" in m and "aten.index_copy" in m
+        for _, _, m in tokenmill_log
+    )
     eager = LLM(model=tiny, quantization="int8", kv_cache_dtype="fp8", enforce_eager=True, **ENGINE)
     assert generate(llm, 3) == generate(eager, 3)
 
@@ -111,3 +115,14 @@ def test_kernel_calls_of_other_threads_are_not_recorded():
         other.join()
         cpu_ops.silu_and_mul(x)
     assert [kernel.__name__ for kernel, _ in recorder.calls] == ["silu_and_mul"]
+
+
+def test_calculated_kv_scales_come_from_a_real_step(tiny, tokenmill_log):
+    """A capture's dummy batch must not be the first step ``calculate_kv_scales`` reads."""
+    llm = LLM(model=tiny, quantization="int8", kv_cache_dtype="fp8", calculate_kv_scales=True, **ENGINE)
+    assert graph_runner(llm) is None
+    assert any("decode graphs off: calculate_kv_scales" in m for _, _, m in tokenmill_log)
+    runner = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner
+    assert all(layer.impl.k_scale == 1.0 for layer in runner.attention_layers().values())
+    generate(llm, 1)
+    assert all(layer.impl.k_scale != 1.0 for layer in runner.attention_layers().values())

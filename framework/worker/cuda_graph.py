@@ -14,6 +14,7 @@ here, recorded C kernel calls on the CPU (``worker/cpu_graph.py``).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -23,6 +24,8 @@ from torch import nn
 from tokenmill.config import EngineConfig
 from tokenmill.forward_context import set_forward_context
 from tokenmill.interfaces.attention import CommonAttentionMetadata
+
+logger = logging.getLogger(__name__)
 
 MAX_CAPTURE_SIZE = 256
 
@@ -91,10 +94,14 @@ class DecodeGraphRunner:
         device: torch.device,
     ) -> DecodeGraphRunner | None:
         """The platform's runner (``Platform.decode_graph_runner``) with its sizes captured, or
-        None where graphs don't apply: no runner on this platform, ``enforce_eager``, a backend
-        whose builder cannot be captured, or a runner that captured nothing."""
+        None where graphs don't apply: no runner on this platform, ``enforce_eager``,
+        ``calculate_kv_scales`` (a capture's dummy batch would be the step the scales come
+        from), a backend whose builder cannot be captured, or a runner that captured nothing."""
         runner_cls = config.platform_cls.decode_graph_runner(config)
         if runner_cls is None or config.enforce_eager:
+            return None
+        if config.calculate_kv_scales:
+            logger.info("decode graphs off: calculate_kv_scales takes the scales from the first real step")
             return None
         if not isinstance(builder, GraphCapturableBuilder):
             return None
