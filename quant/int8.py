@@ -56,11 +56,17 @@ class W8A8LinearMethod(Int8LinearMethod):
 
 
 class Int8Config(QuantizationMethod):
-    """``quantization="int8"``: every linear layer of the model (not the embedding or LM head)."""
+    """``quantization="int8"``: every linear layer of the model and the LM head (a tied head
+    quantizes its own copy of the embedding, as llama.cpp's Q8_0 files do; the embedding's rows
+    stay float). At one token per step the float32 head alone is as many bytes as all the int8
+    layers."""
 
     linear_method_cls: type[LinearMethod] = Int8LinearMethod
 
     def get_linear_method(self, layer: nn.Module, prefix: str) -> LinearMethod:
+        return self.linear_method_cls()
+
+    def get_lm_head_method(self, layer: nn.Module, prefix: str) -> LinearMethod:
         return self.linear_method_cls()
 
 

@@ -194,3 +194,26 @@ def test_act_order_g_idx_is_refused(tiny, tmp_path):
     save_file(tensors, str(quant / "model.safetensors"))
     with pytest.raises(ValueError, match=r"model.layers.0.mlp.down_proj: GPTQ act-order .* is not supported"):
         LLM(model=str(quant), **ENGINE)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_int8_quantizes_the_lm_head_and_keeps_the_embedding_float(tmp_path, tied):
+    """``int8`` also quantizes the LM head (its bytes dominate a one-token step); a tied head
+    quantizes a copy of the embedding, whose rows stay float for the lookup."""
+    from tokenmill.quant.int8 import quantize_int8
+
+    path = make_tiny_checkpoint(tmp_path / "tiny", "llama", tie_word_embeddings=tied)
+    tensors = load_file(str(Path(path) / "model.safetensors"))
+    llm = LLM(model=path, quantization="int8", **ENGINE)
+    model = _model(llm)
+    head, embed = model.lm_head, model.model.embed_tokens
+    source = tensors["model.embed_tokens.weight" if tied else "lm_head.weight"]
+    codes, scale = quantize_int8(source.float())
+    assert head.weight.dtype == torch.int8 and torch.equal(head.weight, codes)
+    torch.testing.assert_close(head.weight_scale, scale)
+    assert embed.weight.dtype == torch.float32
+    torch.testing.assert_close(embed.weight, tensors["model.embed_tokens.weight"].float())
+    hidden = torch.randn(3, embed.weight.shape[1])
+    torch.testing.assert_close(
+        head.compute_logits(hidden), hidden @ (codes.float() * scale[:, None]).T, rtol=1e-4, atol=1e-4
+    )

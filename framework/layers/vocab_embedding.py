@@ -86,8 +86,10 @@ class ParallelLMHead(VocabParallelEmbedding):
     returns float32 logits over the real (unpadded) vocabulary. ``tie_weights`` shares the
     embedding's weight instead of holding its own. The product is ``linear_method`` (whose
     weights the model loader processes once loaded): the quantization method's
-    ``get_lm_head_method`` when it gives one, which then creates the head's weights (a tied head
-    is not tied: the checkpoint holds ``lm_head``'s tensors), else the platform's unquantized one.
+    ``get_lm_head_method`` when it gives one, which then creates the head's weights, else the
+    platform's unquantized one. A quantized head is tied only when its method loads a float
+    ``weight`` like the embedding's (online quantization, which then quantizes the head's own
+    copy); otherwise the checkpoint holds ``lm_head``'s tensors (GGUF).
     """
 
     def __init__(
@@ -115,7 +117,8 @@ class ParallelLMHead(VocabParallelEmbedding):
         param.data[: shard.shape[0]].copy_(shard)
 
     def tie_weights(self, embed_tokens: VocabParallelEmbedding) -> None:
-        if self.quantized:
+        own = getattr(self, "weight", None)
+        if self.quantized and (own is None or own.shape != embed_tokens.weight.shape):
             return
         if embed_tokens.weight.shape != self.weight.shape:
             raise ValueError(

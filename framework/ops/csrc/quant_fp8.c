@@ -1,5 +1,5 @@
 /* Linear layers on FP8 (e4m3fn) weights W [N, K] with one float scale per output row:
-   out = x W^T * scale + bias, by quant_tile.h's tiled_linear. */
+   out = x W^T * scale + bias, by quant_tile.h's streamed (a few input rows) or tiled product. */
 #include "quant_tile.h"
 
 /* e4m3fn bits s.eeee.mmm (bias 7) to float: the exponent and mantissa bits moved into a
@@ -27,10 +27,17 @@ static void fp8_row(float *dst, const void *weights, int64_t n, int64_t K) {
     for (; k < K; ++k) dst[k] = fp8_to_f32_1(w[k]);
 }
 
+static inline v8 fp8_load8(const void *row, int64_t k) { return fp8_to_f32((const uint8_t *)row + k); }
+static inline float fp8_load1(const void *row, int64_t k) { return fp8_to_f32_1(((const uint8_t *)row)[k]); }
+STREAMED_LINEAR(fp8_streamed, fp8_load8, fp8_load1)
+
 /* out [M, N] = x [M, K] (row stride ldx) W^T * scale[n] + bias[n] (bias may be NULL). */
 void fp8_linear(float *out, const float *x, int64_t ldx, const uint8_t *w, const float *scale,
                 const float *bias, int64_t M, int64_t N, int64_t K, int nthreads) {
-    tiled_linear(out, x, ldx, fp8_row, w, scale, bias, M, N, K, nthreads);
+    if (M <= STREAM_ROWS)
+        fp8_streamed(out, x, ldx, w, K, scale, bias, M, N, K, nthreads);
+    else
+        tiled_linear(out, x, ldx, fp8_row, w, scale, bias, M, N, K, nthreads);
 }
 
 /* out [N, K] = W * scale[n]. */

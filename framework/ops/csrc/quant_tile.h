@@ -1,5 +1,6 @@
-/* The float micro-kernel of the quantized linear kernels: every input row times a block of
-   NR weight rows that the caller has dequantized into a float buffer. */
+/* The float micro-kernel of the linear kernels on float32 and quantized weights: every input row
+   times a block of NR weight rows, read as floats either from a buffer the rows were widened
+   into (tiled_linear) or converted in registers from the weights as stored (streamed_linear). */
 #pragma once
 #include <stdlib.h>
 #include "vec.h"
@@ -38,44 +39,67 @@ static inline v8i widen_u8(const uint8_t *p) {
 #define MR 3
 #endif
 
-/* acc[m][j] = dot(x row m, wb row j) for m < mr, j < NR over K columns. */
+/* How a tile reads a weight row as floats: eight values from column k, and one. */
+typedef v8 (*load8_fn)(const void *row, int64_t k);
+typedef float (*load1_fn)(const void *row, int64_t k);
+
+static inline v8 f32_load8(const void *row, int64_t k) { return loadv((const float *)row + k); }
+static inline float f32_load1(const void *row, int64_t k) { return ((const float *)row)[k]; }
+
+/* acc[m][j] = dot(x row m, weight row w[j]) for m < mr, j < NR over K columns, the weights read
+   by load8 / load1 (inlined with the tile, so converting codes happens in registers). One input
+   row has a second set of accumulators, so its NR sums are not bound by the FMA latency. */
 static inline __attribute__((always_inline)) void
-tile(const float *x, int64_t ldx, const int mr, const float *wb, int64_t K, float acc[MR][NR]) {
+tile(const float *x, int64_t ldx, const int mr, const void *const w[NR], load8_fn load8,
+     load1_fn load1, int64_t K, float acc[MR][NR]) {
     v8 a[MR][NR];
     for (int m = 0; m < mr; ++m)
         for (int j = 0; j < NR; ++j) a[m][j] = (v8){0};
     int64_t k = 0;
+    if (mr == 1) {
+        v8 c[NR];
+        for (int j = 0; j < NR; ++j) c[j] = (v8){0};
+        for (; k + 16 <= K; k += 16) {
+            const v8 x0 = loadv(x + k), x1 = loadv(x + k + 8);
+            for (int j = 0; j < NR; ++j) {
+                a[0][j] += x0 * load8(w[j], k);
+                c[j] += x1 * load8(w[j], k + 8);
+            }
+        }
+        for (int j = 0; j < NR; ++j) a[0][j] += c[j];
+    }
     for (; k + 8 <= K; k += 8) {
         v8 xv[MR];
         for (int m = 0; m < mr; ++m) xv[m] = loadv(x + m * ldx + k);
         for (int j = 0; j < NR; ++j) {
-            const v8 w = loadv(wb + j * K + k);
-            for (int m = 0; m < mr; ++m) a[m][j] += xv[m] * w;
+            const v8 wv = load8(w[j], k);
+            for (int m = 0; m < mr; ++m) a[m][j] += xv[m] * wv;
         }
     }
     for (int m = 0; m < mr; ++m) {
         hsum4(a[m][0], a[m][1], a[m][2], a[m][3], acc[m]);
         for (int64_t kk = k; kk < K; ++kk)
-            for (int j = 0; j < NR; ++j) acc[m][j] += x[m * ldx + kk] * wb[j * K + kk];
+            for (int j = 0; j < NR; ++j) acc[m][j] += x[m * ldx + kk] * load1(w[j], kk);
     }
 }
 
-/* out[m, n0 + j] = (x[m] . wb[j]) * scale[n0 + j] (scale may be NULL) + bias[n0 + j] (may be
+/* out[m, n0 + j] = (x[m] . w[j]) * scale[n0 + j] (scale may be NULL) + bias[n0 + j] (may be
    NULL) for every input row m and j < nr. */
-static void rows_times_block(float *out, const float *x, int64_t ldx, const float *wb, int nr,
-                             const float *scale, const float *bias, int64_t M, int64_t N,
-                             int64_t K, int64_t n0) {
+static inline __attribute__((always_inline)) void
+rows_times_block(float *out, const float *x, int64_t ldx, const void *const w[NR], load8_fn load8,
+                 load1_fn load1, int nr, const float *scale, const float *bias, int64_t M,
+                 int64_t N, int64_t K, int64_t n0) {
     float acc[MR][NR];
     for (int64_t m0 = 0; m0 < M; m0 += MR) {
         const int mr = M - m0 < MR ? (int)(M - m0) : MR;
         const float *xm = x + m0 * ldx;
         switch (mr) {
 #if MR == 4
-            case 4: tile(xm, ldx, 4, wb, K, acc); break;
+            case 4: tile(xm, ldx, 4, w, load8, load1, K, acc); break;
 #endif
-            case 3: tile(xm, ldx, 3, wb, K, acc); break;
-            case 2: tile(xm, ldx, 2, wb, K, acc); break;
-            default: tile(xm, ldx, 1, wb, K, acc); break;
+            case 3: tile(xm, ldx, 3, w, load8, load1, K, acc); break;
+            case 2: tile(xm, ldx, 2, w, load8, load1, K, acc); break;
+            default: tile(xm, ldx, 1, w, load8, load1, K, acc); break;
         }
         for (int m = 0; m < mr; ++m)
             for (int j = 0; j < nr; ++j) {
@@ -92,47 +116,54 @@ typedef void (*widen_row_fn)(float *dst, const void *weights, int64_t n, int64_t
 
 /* out [M, N] = x [M, K] (row stride ldx) W^T * scale[n] (scale may be NULL) + bias[n] (may be
    NULL): each thread widens NR weight rows at a time into a float buffer (a few KiB, in L1) and
-   multiplies every input row by them, so each weight byte is read from memory once per call;
-   threads split the output rows. Inlined, so `widen` is too. */
+   multiplies every input row by them, so each weight byte is read from memory and converted
+   once per call; threads split the output rows. Inlined, so `widen` is too. */
 static inline __attribute__((always_inline)) void
 tiled_linear(float *out, const float *x, int64_t ldx, widen_row_fn widen, const void *weights,
              const float *scale, const float *bias, int64_t M, int64_t N, int64_t K, int nthreads) {
     #pragma omp parallel num_threads(nthreads)
     {
         float *wb = malloc(sizeof(float) * NR * K);
+        const void *rows[NR];
+        for (int j = 0; j < NR; ++j) rows[j] = wb + j * K;
         #pragma omp for schedule(static)
         for (int64_t n0 = 0; n0 < N; n0 += NR) {
             const int nr = N - n0 < NR ? (int)(N - n0) : NR;
             for (int j = 0; j < NR; ++j) widen(wb + j * K, weights, n0 + (j < nr ? j : 0), K);
-            rows_times_block(out, x, ldx, wb, nr, scale, bias, M, N, K, n0);
+            rows_times_block(out, x, ldx, rows, f32_load8, f32_load1, nr, scale, bias, M, N, K, n0);
         }
         free(wb);
     }
 }
 
-/* out [M, N] = x [M, K] (row stride ldx) W^T + bias[n] (may be NULL) for a float32 W [N, K]:
-   the tiles read the weight rows in place (NR consecutive rows are one contiguous run, so each
-   thread streams its share of W once, front to back); only a last partial block of rows is
-   copied, padded with its first row. */
-static inline void streamed_linear(float *out, const float *x, int64_t ldx, const float *w,
-                                   const float *bias, int64_t M, int64_t N, int64_t K, int nthreads) {
-    #pragma omp parallel num_threads(nthreads)
-    {
-        float *tail = NULL;
-        #pragma omp for schedule(static)
-        for (int64_t n0 = 0; n0 < N; n0 += NR) {
-            const int nr = N - n0 < NR ? (int)(N - n0) : NR;
-            const float *wb = w + n0 * K;
-            if (nr < NR) {
-                tail = malloc(sizeof(float) * NR * K);
-                for (int j = 0; j < NR; ++j) memcpy(tail + j * K, w + (n0 + (j < nr ? j : 0)) * K, sizeof(float) * K);
-                wb = tail;
-            }
-            rows_times_block(out, x, ldx, wb, nr, NULL, bias, M, N, K, n0);
-        }
-        free(tail);
+/* Input rows up to which the quantized kernels use STREAMED_LINEAR rather than tiled_linear:
+   one tile, so every code is converted once either way. */
+#define STREAM_ROWS MR
+
+/* STREAMED_LINEAR(name, load8, load1) defines `name`, the same product reading the weight rows
+   W [N, row_bytes] in place through load8 / load1, no buffer: NR consecutive rows are one
+   contiguous run, so each thread streams its share of W once, front to back (a last partial
+   block repeats its first row). For a few input rows (decode), where converting the codes again
+   for each tile of MR input rows costs less than a store and reload of every weight. Each
+   block's lines are prefetched before its tiles run: the rows are read a few bytes per step,
+   and without it one thread keeps too few cache misses in flight (int8 at one row: 5 GB/s per
+   thread, 13-17 with it, on a 2-core AMD EPYC). A macro,
+   so the loaders are named inside the parallel region (whose body the compiler outlines) and
+   inlined, not called through a pointer. */
+#define STREAMED_LINEAR(name, load8, load1)                                                      \
+    static void name(float *out, const float *x, int64_t ldx, const void *weights,              \
+                     int64_t row_bytes, const float *scale, const float *bias, int64_t M,       \
+                     int64_t N, int64_t K, int nthreads) {                                       \
+        _Pragma("omp parallel for num_threads(nthreads) schedule(static)")                       \
+        for (int64_t n0 = 0; n0 < N; n0 += NR) {                                                 \
+            const int nr = N - n0 < NR ? (int)(N - n0) : NR;                                     \
+            const char *block = (const char *)weights + n0 * row_bytes;                          \
+            for (int64_t b = 0; b < nr * row_bytes; b += 64) __builtin_prefetch(block + b);     \
+            const void *rows[NR];                                                                \
+            for (int j = 0; j < NR; ++j) rows[j] = block + (j < nr ? j : 0) * row_bytes;        \
+            rows_times_block(out, x, ldx, rows, load8, load1, nr, scale, bias, M, N, K, n0);    \
+        }                                                                                        \
     }
-}
 
 /* out [N, K] = W * scale[n] (scale may be NULL), W's rows widened by `widen`. */
 static inline __attribute__((always_inline)) void
