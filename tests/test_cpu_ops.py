@@ -235,3 +235,21 @@ def test_decode_attention_splits_few_requests_over_threads(threads, seq_lens, wi
         torch.set_num_threads(previous)
     ref = _decode_attention_reference(q, kv, block_table, lens, 0.125, window, k_scale, v_scale)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("h,kvh", [(4, 4), (4, 2), (8, 2), (10, 2), (9, 3)])
+@pytest.mark.parametrize("d", [16, 40, 64])
+def test_decode_attention_takes_any_head_grouping(h, kvh, d):
+    """The kernel attends up to three query heads of one kv head together: groups of 1, 2, 4
+    and 5 heads (a last chunk smaller than three) and head sizes with a tail below 32 give the
+    reference's result."""
+    gen = torch.Generator().manual_seed(h * 100 + kvh * 10 + d)
+    bs, num_blocks, seq_lens = 16, 32, [3, 50, 97]
+    kv = torch.randn(2, num_blocks, bs, kvh, d, generator=gen)
+    lens = torch.tensor(seq_lens)
+    block_table = torch.stack([torch.randperm(num_blocks, generator=gen)[:8] for _ in seq_lens])
+    q = torch.randn(len(seq_lens), h, d, generator=gen)
+    out = torch.full_like(q, float("nan"))
+    cpu_ops.paged_decode_attention(q, out, torch.arange(len(seq_lens)), kv[0], kv[1], block_table, lens, 97, 0.2)
+    ref = _decode_attention_reference(q, kv, block_table, lens, 0.2, 0, 1.0, 1.0)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)

@@ -4,8 +4,12 @@
 #include "fp8.h"
 #include "vec.h"
 
+/* How many blocks ahead of the one being read keys are prefetched, into L2 (a block is
+   kilobytes: more lines than L1 keeps in flight). */
+#define PREFETCH_AHEAD 2
+
 static inline void prefetch(const void *p, int64_t bytes) {
-    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch((const char *)p + o);
+    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch((const char *)p + o, 0, 2);
 }
 
 /* Block b of a cache whose blocks hold `block` values: a float32 cache's own memory, or the
@@ -26,46 +30,108 @@ typedef struct {
     float scale;
 } attn_shape;
 
+/* Query heads attended together: up to HC heads of one kv-head group read each key and value
+   row once, and their HC x 4 independent sums keep the FMA units busy (one head alone is bound
+   by the latency of its chain of FMAs). */
+#define HC 3
+
+/* Heads h .. h + result - 1 (at most HC) share h's kv head. */
+static inline int heads_in_chunk(const attn_shape *s, int64_t h) {
+    const int64_t left = s->G - h % s->G;
+    return left < HC ? (int)left : HC;
+}
+
+/* sh[c * stride + i] = q_c . key i for hc query heads q (D apart) over n keys kh (row apart). */
+static inline __attribute__((always_inline)) void chunk_scores(const float *q, const int hc, int64_t D, const float *kh,
+                                                               int64_t row, int64_t n, float *sh, int64_t stride) {
+    int64_t i = 0;
+    for (; i + 4 <= n; i += 4) {
+        const float *k = kh + i * row;
+        v8 a[HC][4];
+        for (int c = 0; c < hc; ++c)
+            for (int t = 0; t < 4; ++t) a[c][t] = (v8){0};
+        for (int64_t d = 0; d < D; d += 8) {
+            const v8 k0 = loadv(k + d), k1 = loadv(k + row + d), k2 = loadv(k + 2 * row + d), k3 = loadv(k + 3 * row + d);
+            for (int c = 0; c < hc; ++c) {
+                const v8 qv = loadv(q + c * D + d);
+                a[c][0] += qv * k0;
+                a[c][1] += qv * k1;
+                a[c][2] += qv * k2;
+                a[c][3] += qv * k3;
+            }
+        }
+        for (int c = 0; c < hc; ++c) hsum4(a[c][0], a[c][1], a[c][2], a[c][3], sh + c * stride + i);
+    }
+    for (; i < n; ++i)
+        for (int c = 0; c < hc; ++c) {
+            v8 a = {0};
+            for (int64_t d = 0; d < D; d += 8) a += loadv(q + c * D + d) * loadv(kh + i * row + d);
+            sh[c * stride + i] = hsum(a);
+        }
+}
+
+/* acc[c * D + d] += sum_i p[c * stride + i] * value i [d] for hc heads over n values vh (row
+   apart), 32 features at a time held in registers across the values. */
+static inline __attribute__((always_inline)) void chunk_values(const float *p, int64_t stride, const int hc, int64_t D,
+                                                               const float *vh, int64_t row, int64_t n, float *acc) {
+    int64_t d = 0;
+    for (; d + 32 <= D; d += 32) {
+        v8 c[HC][4];
+        for (int h = 0; h < hc; ++h)
+            for (int u = 0; u < 4; ++u) c[h][u] = loadv(acc + h * D + d + 8 * u);
+        for (int64_t i = 0; i < n; ++i) {
+            const float *v = vh + i * row + d;
+            const v8 v0 = loadv(v), v1 = loadv(v + 8), v2 = loadv(v + 16), v3 = loadv(v + 24);
+            for (int h = 0; h < hc; ++h) {
+                const v8 pi = splat(p[h * stride + i]);
+                c[h][0] += pi * v0;
+                c[h][1] += pi * v1;
+                c[h][2] += pi * v2;
+                c[h][3] += pi * v3;
+            }
+        }
+        for (int h = 0; h < hc; ++h)
+            for (int u = 0; u < 4; ++u) storev(acc + h * D + d + 8 * u, c[h][u]);
+    }
+    for (; d < D; d += 8)
+        for (int h = 0; h < hc; ++h) {
+            v8 c = loadv(acc + h * D + d);
+            for (int64_t i = 0; i < n; ++i) c += splat(p[h * stride + i]) * loadv(vh + i * row + d);
+            storev(acc + h * D + d, c);
+        }
+}
+
 /* One request's query qb [H, D] over blocks ja..jb-1 of its table bt, positions below `first`
    or from L on weighted zero. Writes acc [H, D] = sum over positions of
    exp((score - m[h]) * scale) * value, with m[h] the range's highest score and l[h] the sum of
-   those weights. In three passes: scores (four tokens at a time per head), the weights, then the
-   weighted sum of values (32 output features at a time held in registers across a block's
-   tokens). The next block is prefetched while one is read: blocks are scattered, so the
-   hardware prefetcher cannot. */
+   those weights. In three passes: scores (chunk_scores), the weights, then the weighted sum of
+   values (chunk_values). Blocks are scattered, so the hardware prefetcher cannot fetch them:
+   while block j's keys are read, block j + PREFETCH_AHEAD's keys and block j's values are
+   prefetched (the values are then in L2 for the third pass). */
 static void attend_blocks(const attn_shape *s, const float *qb, const int64_t *bt, int64_t ja, int64_t jb,
                           int64_t first, int64_t L, float *scores, float *buf, float *acc, float *m, float *l) {
     const int64_t H = s->H, D = s->D, row = s->row, bs = s->bs, base = ja * bs;
     const int64_t end = L < jb * bs ? L : jb * bs, Lp = (end - base + 7) / 8 * 8;
+    for (int64_t j = ja; j < ja + PREFETCH_AHEAD && j < jb; ++j)
+        prefetch((const char *)s->key_cache + bt[j] * s->block_bytes, s->block_bytes);
     for (int64_t j = ja; j < jb; ++j) {
         const int64_t t0 = j * bs, n = L - t0 < bs ? L - t0 : bs;
         const float *kb = block_f32(s->key_cache, bt[j], s->block, n * row, s->kv_format, s->fmt, buf);
-        if (j + 1 < jb) prefetch((const char *)s->key_cache + bt[j + 1] * s->block_bytes, s->block_bytes);
-        for (int64_t h = 0; h < H; ++h) {
-            const float *qh = qb + h * D, *kh = kb + (h / s->G) * D;
+        if (j + PREFETCH_AHEAD < jb)
+            prefetch((const char *)s->key_cache + bt[j + PREFETCH_AHEAD] * s->block_bytes, s->block_bytes);
+        prefetch((const char *)s->value_cache + bt[j] * s->block_bytes, s->block_bytes);
+        for (int64_t h = 0, hc; h < H; h += hc) {
+            hc = heads_in_chunk(s, h);
             float *sh = scores + h * s->stride + t0 - base;
-            int64_t i = 0;
-            for (; i + 4 <= n; i += 4) {
-                const float *k = kh + i * row;
-                v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-                for (int64_t d = 0; d < D; d += 8) {
-                    const v8 qv = loadv(qh + d);
-                    a0 += qv * loadv(k + d);
-                    a1 += qv * loadv(k + row + d);
-                    a2 += qv * loadv(k + 2 * row + d);
-                    a3 += qv * loadv(k + 3 * row + d);
-                }
-                hsum4(a0, a1, a2, a3, sh + i);
-            }
-            for (; i < n; ++i) {
-                v8 a = {0};
-                for (int64_t d = 0; d < D; d += 8) a += loadv(qh + d) * loadv(kh + i * row + d);
-                sh[i] = hsum(a);
+            const float *qh = qb + h * D, *kh = kb + (h / s->G) * D;
+            switch (hc) {
+                case 3: chunk_scores(qh, 3, D, kh, row, n, sh, s->stride); break;
+                case 2: chunk_scores(qh, 2, D, kh, row, n, sh, s->stride); break;
+                default: chunk_scores(qh, 1, D, kh, row, n, sh, s->stride); break;
             }
         }
     }
 
-    prefetch((const char *)s->value_cache + bt[ja] * s->block_bytes, s->block_bytes);
     for (int64_t h = 0; h < H; ++h) {
         float *sh = scores + h * s->stride;
         for (int64_t t = 0; t < first - base; ++t) sh[t] = -INFINITY;
@@ -88,27 +154,13 @@ static void attend_blocks(const attn_shape *s, const float *qb, const int64_t *b
     for (int64_t j = ja; j < jb; ++j) {
         const int64_t t0 = j * bs, n = L - t0 < bs ? L - t0 : bs;
         const float *vb = block_f32(s->value_cache, bt[j], s->block, n * row, s->kv_format, s->fmt, buf);
-        if (j + 1 < jb) prefetch((const char *)s->value_cache + bt[j + 1] * s->block_bytes, s->block_bytes);
-        for (int64_t h = 0; h < H; ++h) {
+        for (int64_t h = 0, hc; h < H; h += hc) {
+            hc = heads_in_chunk(s, h);
             const float *vh = vb + (h / s->G) * D, *p = scores + h * s->stride + t0 - base;
-            float *a = acc + h * D;
-            int64_t d = 0;
-            for (; d + 32 <= D; d += 32) {
-                v8 c0 = loadv(a + d), c1 = loadv(a + d + 8), c2 = loadv(a + d + 16), c3 = loadv(a + d + 24);
-                for (int64_t i = 0; i < n; ++i) {
-                    const float *v = vh + i * row + d;
-                    const v8 pi = splat(p[i]);
-                    c0 += pi * loadv(v);
-                    c1 += pi * loadv(v + 8);
-                    c2 += pi * loadv(v + 16);
-                    c3 += pi * loadv(v + 24);
-                }
-                storev(a + d, c0); storev(a + d + 8, c1); storev(a + d + 16, c2); storev(a + d + 24, c3);
-            }
-            for (; d < D; d += 8) {
-                v8 c = loadv(a + d);
-                for (int64_t i = 0; i < n; ++i) c += splat(p[i]) * loadv(vh + i * row + d);
-                storev(a + d, c);
+            switch (hc) {
+                case 3: chunk_values(p, s->stride, 3, D, vh, row, n, acc + h * D); break;
+                case 2: chunk_values(p, s->stride, 2, D, vh, row, n, acc + h * D); break;
+                default: chunk_values(p, s->stride, 1, D, vh, row, n, acc + h * D); break;
             }
         }
     }
