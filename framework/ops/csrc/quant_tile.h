@@ -147,9 +147,9 @@ tiled_linear(float *out, const float *x, int64_t ldx, widen_row_fn widen, const 
    for each tile of MR input rows costs less than a store and reload of every weight. Each
    block's lines are prefetched before its tiles run: the rows are read a few bytes per step,
    and without it one thread keeps too few cache misses in flight (int8 at one row: 5 GB/s per
-   thread, 13-17 with it, on a 2-core AMD EPYC). A macro,
-   so the loaders are named inside the parallel region (whose body the compiler outlines) and
-   inlined, not called through a pointer. */
+   thread, 13-17 with it, on a 2-core AMD EPYC). A macro, so the loaders are named inside the
+   parallel region (whose body the compiler outlines) and inlined, not called through a
+   pointer. */
 #define STREAMED_LINEAR(name, load8, load1)                                                      \
     static void name(float *out, const float *x, int64_t ldx, const void *weights,              \
                      int64_t row_bytes, const float *scale, const float *bias, int64_t M,       \
