@@ -11,11 +11,10 @@ bytes each pass reads per second.
 from __future__ import annotations
 
 import argparse
-import time
-from collections.abc import Callable
 
 import torch
 
+from gemm import best_time
 from tokenmill.ops import cpu, cpu_quant
 from tokenmill.quant.fp8 import quantize_fp8
 from tokenmill.quant.int8 import quantize_int8
@@ -23,16 +22,6 @@ from tokenmill.quant.int8 import quantize_int8
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 LAYERS = 30
 HEADS, KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 9, 3, 64, 16
-
-
-def best_time(run: Callable[[], None], repeats: int) -> float:
-    run()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def products(repeats: int) -> None:
