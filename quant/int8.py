@@ -25,6 +25,11 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class Int8LinearMethod(OnlineQuantizedLinearMethod):
     """``x @ (q * scale).T``: float activations times int8 weights."""
 
+    gemm_rows = 384
+    """The C kernel (codes converted in registers) beats dequantize + ``F.linear`` up to a few
+    hundred rows: the default model's layers, 2 threads, 64 rows 118 vs 139 ms, 256 rows 447 vs
+    555 ms, 512 rows 1082 vs 938 ms."""
+
     def quantize(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
         q, scale = quantize_int8(weight)
         return {"weight": q, "weight_scale": scale}

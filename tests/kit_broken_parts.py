@@ -119,7 +119,8 @@ class CorruptingProposer(Proposer):
 
 
 class NeighbourScaleMethod(Int8LinearMethod):
-    """Its kernel path (small batches) scales each output channel by the previous one's scale."""
+    """Its kernel path (up to a few hundred rows) scales each output channel by the previous one's
+    scale."""
 
     def cpu_apply(self, layer, x, bias):
         return cpu_quant.int8_linear(x, layer.weight, layer.weight_scale.roll(1), bias)

@@ -199,6 +199,7 @@ def test_broken_parts_fail_at_their_contract_point(tmp_path):
         "test_greedy_unchanged[corrupting-preemption]",
         "test_output_matches_dequantized_matmul[neighbour-scale-1]",
         "test_output_matches_dequantized_matmul[neighbour-scale-3]",
+        "test_output_matches_dequantized_matmul[neighbour-scale-48]",
         "test_loaded_memory_below_float[keeps-float]",
     }, out[-6000:]
     for message in (
@@ -217,5 +218,5 @@ def test_broken_parts_fail_at_their_contract_point(tmp_path):
     assert report["attention backend 'no-gqa'"] == "4 of 6 contract points passed"
     assert report["attention backend 'no-rope-mla'"] == "4 of 5 contract points passed"
     assert report["model 'LlamaForCausalLM'"] == "4 of 5 contract points passed"
-    assert report["quantization method 'neighbour-scale'"] == "3 of 5 contract points passed"
+    assert report["quantization method 'neighbour-scale'"] == "2 of 5 contract points passed"
     assert report["quantization method 'keeps-float'"] == "4 of 5 contract points passed"

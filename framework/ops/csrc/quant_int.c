@@ -6,7 +6,7 @@
    - w8a8: int8 weights times int8 activations quantized per row (dynamic, symmetric), summed
      in int32.
    Weight-only kernels run quant_tile.h's products: int8 (and float32 weights, f32_linear)
-   streamed for a few input rows, int8 and int4 tiled over rows widened to float. The
+   streamed, int4 tiled over rows widened to float. The
    dequantize kernels write the float weight for callers that hand large batches to a float
    GEMM. */
 #include <math.h>
@@ -40,14 +40,11 @@ static inline float int8_load1(const void *row, int64_t k) { return (float)((con
 STREAMED_LINEAR(int8_streamed, int8_load8, int8_load1)
 STREAMED_LINEAR(f32_streamed, f32_load8, f32_load1)
 
-/* Weight-only int8: out [M, N] = x [M, K] (row stride ldx) W^T * scale[n] + bias[n]; up to
-   STREAM_ROWS input rows with the codes converted in registers, more through a widened block. */
+/* Weight-only int8: out [M, N] = x [M, K] (row stride ldx) W^T * scale[n] + bias[n], the codes
+   converted in registers. */
 void int8_linear(float *out, const float *x, int64_t ldx, const int8_t *w, const float *scale,
                  const float *bias, int64_t M, int64_t N, int64_t K, int nthreads) {
-    if (M <= STREAM_ROWS)
-        int8_streamed(out, x, ldx, w, K, scale, bias, M, N, K, nthreads);
-    else
-        tiled_linear(out, x, ldx, int8_row, w, scale, bias, M, N, K, nthreads);
+    int8_streamed(out, x, ldx, w, K, scale, bias, M, N, K, nthreads);
 }
 
 /* Float32 weights: out [M, N] = x [M, K] (row stride ldx) W^T + bias[n] (may be NULL). */
