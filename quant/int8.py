@@ -25,10 +25,11 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class Int8LinearMethod(OnlineQuantizedLinearMethod):
     """``x @ (q * scale).T``: float activations times int8 weights."""
 
-    gemm_rows = 384
-    """The C kernel (codes converted in registers) beats dequantize + ``F.linear`` up to a few
-    hundred rows: the default model's layers, 2 threads, 64 rows 118 vs 139 ms, 256 rows 447 vs
-    555 ms, 512 rows 1082 vs 938 ms."""
+    gemm_rows = 128
+    """The C kernel (codes converted in registers) beats dequantize + ``F.linear`` on batches:
+    the default model's layers alone, 2 threads, 64 rows 118 vs 139 ms, 128 rows 251 vs 300 ms;
+    but a 256-row prefill in the engine took 0.44–0.51 s dequantizing vs 0.48–0.57 s in the
+    kernel, so prefill chunks dequantize."""
 
     def quantize(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
         q, scale = quantize_int8(weight)
