@@ -1,7 +1,9 @@
 """GFLOP/s of the default model's float32 GEMMs (SmolLM2-135M: hidden 576, intermediate 1536,
 9 query and 3 KV heads of 64, vocabulary 49152) by ``F.linear`` (MKL) and by oneDNN on a
-weight packed once (the CPU platform's linear method), min of N timings each, so other load on
-the machine shows less. Rows: 64 (a decode batch) and 2048 (a prefill chunk), or ``--rows``.
+weight packed once (the CPU platform's linear method), and of the same products by ``w8a8``'s
+int8 kernel (activations quantized per row, codes in panels; GOP/s), min of N timings each, so
+other load on the machine shows less. Rows: 64 (a decode batch) and 2048 (a prefill chunk), or
+``--rows``.
 
     ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 \\
         python benchmarks/gemm.py --threads 1
@@ -14,6 +16,9 @@ import time
 
 import torch
 import torch.nn.functional as F
+
+from tokenmill.ops import cpu_quant
+from tokenmill.quant.int8 import pack_panels, quantize_int8
 
 SHAPES = {"qkv": (960, 576), "o_proj": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
           "lm_head": (49152, 576)}
@@ -48,7 +53,14 @@ def main() -> None:
             dnn = gflop / best_time(
                 lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""), args.repeats
             )
-            print(f"rows {rows:5d} {name:8s} F.linear {mkl:6.1f}  oneDNN packed {dnn:6.1f} GFLOP/s", flush=True)
+            q, scale = quantize_int8(w)
+            panels = pack_panels(q)
+            w8a8 = gflop / best_time(lambda: cpu_quant.w8a8_linear(x, panels, scale, None), args.repeats)
+            print(
+                f"rows {rows:5d} {name:8s} F.linear {mkl:6.1f}  oneDNN packed {dnn:6.1f} GFLOP/s"
+                f"  w8a8 {w8a8:6.1f} GOP/s",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

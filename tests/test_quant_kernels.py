@@ -11,7 +11,7 @@ from tokenmill.ops import cpu as cpu_ops
 from tokenmill.ops import cpu_quant
 from tokenmill.quant.fp8 import FP8, quantize_fp8
 from tokenmill.quant.int4 import pack, quantize_int4, unpack
-from tokenmill.quant.int8 import quantize_int8
+from tokenmill.quant.int8 import pack_panels, quantize_int8, unpack_panels
 
 pytestmark = pytest.mark.skipif(cpu_ops.load() is None, reason="the CPU kernels did not build")
 
@@ -69,11 +69,13 @@ def test_int8_kernel_takes_strided_rows():
 def test_w8a8_kernel_equals_integer_reference(m, n, k):
     x, w, bias = _inputs(m, n, k, 7 * m + n)
     q, scale = quantize_int8(w)
-    xq, xscale = cpu_quant.quantize_rows_int8(x)
+    xq, xscale = cpu_quant.quantize_rows_int8(x, k + 3)
     ref_q, ref_scale = quantize_int8(x)
-    assert torch.equal(xq, ref_q) and torch.equal(xscale, ref_scale)
-    ref = (xq.double() @ q.double().T).float() * (xscale[:, None] * scale) + bias
-    close(cpu_quant.w8a8_linear(x, q, scale, bias), ref)
+    assert torch.equal(xq[:, :k], ref_q) and not xq[:, k:].any() and torch.equal(xscale, ref_scale)
+    panels = pack_panels(q)
+    assert torch.equal(unpack_panels(panels, n, k), q)
+    ref = (ref_q.double() @ q.double().T).float() * (xscale[:, None] * scale) + bias
+    close(cpu_quant.w8a8_linear(x, panels, scale, bias), ref)
 
 
 @pytest.mark.parametrize("m,n,k", SHAPES)

@@ -60,7 +60,7 @@ SIGNATURES = {
     "int8_dequantize": [_PTR, _PTR, _PTR, _I64, _I64, _INT],
     "int4_linear": [_PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _INT],
     "int4_dequantize": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _INT],
-    "quantize_rows_int8": [_PTR, _PTR, _PTR, _I64, _I64, _I64, _INT],
+    "quantize_rows_int8": [_PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _INT],
     "w8a8_linear": [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _INT],
     "fp8_linear": [_PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _INT],
     "fp8_dequantize": [_PTR, _PTR, _PTR, _I64, _I64, _INT],

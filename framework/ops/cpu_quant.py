@@ -86,25 +86,32 @@ def int4_dequantize(
     return out
 
 
-def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows_int8(x: torch.Tensor, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-row int8 codes of ``x`` [M, K] in [-127, 127] and their scales [M]
-    (``max|row| / 127``; 1 for a zero row)."""
+    (``max|row| / 127``; 1 for a zero row); rows of ``width`` >= K codes, zero past K."""
     m, k = x.shape
-    q = torch.empty(m, k, dtype=torch.int8)
+    width = k if width is None else width
+    q = torch.empty(m, width, dtype=torch.int8)
     scale = torch.empty(m)
-    load().quantize_rows_int8(q.data_ptr(), scale.data_ptr(), x.data_ptr(), x.stride(0), m, k, torch.get_num_threads())
+    load().quantize_rows_int8(
+        q.data_ptr(), width, scale.data_ptr(), x.data_ptr(), x.stride(0), m, k, torch.get_num_threads()
+    )
     return q, scale
 
 
 def w8a8_linear(
-    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+    x: torch.Tensor, panels: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    """``x`` quantized per row to int8, times int8 ``weight`` [N, K] in int32, rescaled by both
-    scales, plus ``bias``."""
-    xq, xscale = quantize_rows_int8(x)
+    """``x`` quantized per row to int8, times the int8 weight [N, K] in int32, rescaled by both
+    scales, plus ``bias``; the weight in ``tokenmill.quant.int8.pack_panels``'s layout, N =
+    ``scale``'s length."""
+    n, k = scale.shape[0], x.shape[1]
+    k4 = -(-k // 4)
+    if panels.numel() != -(-n // 16) * 16 * k4 * 4:
+        raise ValueError(f"int8 panels of {panels.numel()} bytes do not hold a [{n}, {k}] weight")
+    xq, xscale = quantize_rows_int8(x, 4 * k4)
     return _linear(
-        "w8a8_linear", x, weight.shape[0], xq.data_ptr(), xscale.data_ptr(), weight.data_ptr(), scale.data_ptr(),
-        _ptr(bias),
+        "w8a8_linear", x, n, xq.data_ptr(), xscale.data_ptr(), panels.data_ptr(), scale.data_ptr(), _ptr(bias)
     )
 
 
