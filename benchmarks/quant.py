@@ -1,7 +1,7 @@
 """Weight quantization side by side: tokenmill on the default model in float32 and with each
 quantization method, every run in its own process (``run_engine.py``), ratios to float32.
 
-    python benchmarks/quant.py                       # single: float32 int8 w8a8 int4 fp8; fixed: float32 int8
+    python benchmarks/quant.py                       # single: float32 int8 w8a8 int4 fp8; fixed: float32 int8 w8a8
     python benchmarks/quant.py --isa avx2 --workloads single --methods int8,int4
 
 Workloads as ``compare.py``'s: ``single`` 1 x (256 in, 128 out), ``fixed`` 64 x (256 in, 128
@@ -18,7 +18,7 @@ from datetime import date
 
 from compare import ISA_ENV, run
 
-DEFAULT_METHODS = {"single": "int8,w8a8,int4,fp8", "fixed": "int8"}
+DEFAULT_METHODS = {"single": "int8,w8a8,int4,fp8", "fixed": "int8,w8a8"}
 
 
 def main() -> None:
