@@ -107,7 +107,10 @@ static inline __attribute__((always_inline)) void chunk_values(const float *p, i
    those weights. In three passes: scores (chunk_scores), the weights, then the weighted sum of
    values (chunk_values). Blocks are scattered, so the hardware prefetcher cannot fetch them:
    while block j's keys are read, block j + PREFETCH_AHEAD's keys and block j's values are
-   prefetched (the values are then in L2 for the third pass). */
+   prefetched (the values are then in L2 for the third pass), a share of their lines before each
+   chunk of heads rather than all at once: a burst of a block's ~400 prefetches left the reads
+   and the arithmetic mostly serial (16 requests x 300 tokens, 2 threads of an AMD EPYC:
+   510-565 us per layer, 204 us with the caches in L3; shared out, 420-480 us). */
 static void attend_blocks(const attn_shape *s, const float *qb, const int64_t *bt, int64_t ja, int64_t jb,
                           int64_t first, int64_t L, float *scores, float *buf, float *acc, float *m, float *l) {
     const int64_t H = s->H, D = s->D, row = s->row, bs = s->bs, base = ja * bs;
@@ -117,11 +120,18 @@ static void attend_blocks(const attn_shape *s, const float *qb, const int64_t *b
     for (int64_t j = ja; j < jb; ++j) {
         const int64_t t0 = j * bs, n = L - t0 < bs ? L - t0 : bs;
         const float *kb = block_f32(s->key_cache, bt[j], s->block, n * row, s->kv_format, s->fmt, buf);
-        if (j + PREFETCH_AHEAD < jb)
-            prefetch((const char *)s->key_cache + bt[j + PREFETCH_AHEAD] * s->block_bytes, s->block_bytes);
-        prefetch((const char *)s->value_cache + bt[j] * s->block_bytes, s->block_bytes);
+        const char *knext = j + PREFETCH_AHEAD < jb
+                                ? (const char *)s->key_cache + bt[j + PREFETCH_AHEAD] * s->block_bytes
+                                : NULL;
+        const char *vcur = (const char *)s->value_cache + bt[j] * s->block_bytes;
+        const int64_t slice = (s->block_bytes / H + 63) / 64 * 64;
         for (int64_t h = 0, hc; h < H; h += hc) {
             hc = heads_in_chunk(s, h);
+            const int64_t o = h * slice, e = o + hc * slice < s->block_bytes ? hc * slice : s->block_bytes - o;
+            if (e > 0) {
+                if (knext) prefetch(knext + o, e);
+                prefetch(vcur + o, e);
+            }
             float *sh = scores + h * s->stride + t0 - base;
             const float *qh = qb + h * D, *kh = kb + (h / s->G) * D;
             switch (hc) {
