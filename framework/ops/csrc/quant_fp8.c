@@ -30,7 +30,7 @@ static void fp8_row(float *dst, const void *weights, int64_t n, int64_t K) {
 
 static inline v8 fp8_load8(const void *row, int64_t k) { return fp8_to_f32((const uint8_t *)row + k); }
 static inline float fp8_load1(const void *row, int64_t k) { return fp8_to_f32_1(((const uint8_t *)row)[k]); }
-STREAMED_LINEAR(fp8_streamed, fp8_load8, fp8_load1)
+STREAMED_LINEAR(fp8_streamed, fp8_load8, fp8_load1, 0)
 
 /* out [M, N] = x [M, K] (row stride ldx) W^T * scale[n] + bias[n] (bias may be NULL). */
 void fp8_linear(float *out, const float *x, int64_t ldx, const uint8_t *w, const float *scale,

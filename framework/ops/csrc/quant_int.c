@@ -37,8 +37,8 @@ static inline v8 int8_load8(const void *row, int64_t k) {
     return __builtin_convertvector(widen_i8((const int8_t *)row + k), v8);
 }
 static inline float int8_load1(const void *row, int64_t k) { return (float)((const int8_t *)row)[k]; }
-STREAMED_LINEAR(int8_streamed, int8_load8, int8_load1)
-STREAMED_LINEAR(f32_streamed, f32_load8, f32_load1)
+STREAMED_LINEAR(int8_streamed, int8_load8, int8_load1, 0)
+STREAMED_LINEAR(f32_streamed, f32_load8, f32_load1, 1)
 
 /* Weight-only int8: out [M, N] = x [M, K] (row stride ldx) W^T * scale[n] + bias[n], the codes
    converted in registers. */

@@ -48,10 +48,11 @@ static inline float f32_load1(const void *row, int64_t k) { return ((const float
 
 /* acc[m][j] = dot(x row m, weight row w[j]) for m < mr, j < NR over K columns, the weights read
    by load8 / load1 (inlined with the tile, so converting codes happens in registers). One input
-   row has a second set of accumulators, so its NR sums are not bound by the FMA latency. */
+   row has a second set of accumulators, so its NR sums are not bound by the FMA latency, and
+   prefetches pf_bytes from pf into L2 a share per step (pf NULL: none). */
 static inline __attribute__((always_inline)) void
 tile(const float *x, int64_t ldx, const int mr, const void *const w[NR], load8_fn load8,
-     load1_fn load1, int64_t K, float acc[MR][NR]) {
+     load1_fn load1, int64_t K, float acc[MR][NR], const char *pf, int64_t pf_bytes) {
     v8 a[MR][NR];
     for (int m = 0; m < mr; ++m)
         for (int j = 0; j < NR; ++j) a[m][j] = (v8){0};
@@ -59,7 +60,11 @@ tile(const float *x, int64_t ldx, const int mr, const void *const w[NR], load8_f
     if (mr == 1) {
         v8 c[NR];
         for (int j = 0; j < NR; ++j) c[j] = (v8){0};
+        const int64_t steps = K / 16 > 0 ? K / 16 : 1, share = (pf_bytes / steps + 63) / 64 * 64;
+        int64_t off = 0;
         for (; k + 16 <= K; k += 16) {
+            for (int64_t b = 0; b < share && off < pf_bytes; b += 64, off += 64)
+                __builtin_prefetch(pf + off, 0, 2);
             const v8 x0 = loadv(x + k), x1 = loadv(x + k + 8);
             for (int j = 0; j < NR; ++j) {
                 a[0][j] += x0 * load8(w[j], k);
@@ -67,6 +72,7 @@ tile(const float *x, int64_t ldx, const int mr, const void *const w[NR], load8_f
             }
         }
         for (int j = 0; j < NR; ++j) a[0][j] += c[j];
+        for (; off < pf_bytes; off += 64) __builtin_prefetch(pf + off, 0, 2);
     }
     for (; k + 8 <= K; k += 8) {
         v8 xv[MR];
@@ -84,22 +90,22 @@ tile(const float *x, int64_t ldx, const int mr, const void *const w[NR], load8_f
 }
 
 /* out[m, n0 + j] = (x[m] . w[j]) * scale[n0 + j] (scale may be NULL) + bias[n0 + j] (may be
-   NULL) for every input row m and j < nr. */
+   NULL) for every input row m and j < nr; a single-row tile prefetches pf as it goes. */
 static inline __attribute__((always_inline)) void
 rows_times_block(float *out, const float *x, int64_t ldx, const void *const w[NR], load8_fn load8,
                  load1_fn load1, int nr, const float *scale, const float *bias, int64_t M,
-                 int64_t N, int64_t K, int64_t n0) {
+                 int64_t N, int64_t K, int64_t n0, const char *pf, int64_t pf_bytes) {
     float acc[MR][NR];
     for (int64_t m0 = 0; m0 < M; m0 += MR) {
         const int mr = M - m0 < MR ? (int)(M - m0) : MR;
         const float *xm = x + m0 * ldx;
         switch (mr) {
 #if MR == 4
-            case 4: tile(xm, ldx, 4, w, load8, load1, K, acc); break;
+            case 4: tile(xm, ldx, 4, w, load8, load1, K, acc, NULL, 0); break;
 #endif
-            case 3: tile(xm, ldx, 3, w, load8, load1, K, acc); break;
-            case 2: tile(xm, ldx, 2, w, load8, load1, K, acc); break;
-            default: tile(xm, ldx, 1, w, load8, load1, K, acc); break;
+            case 3: tile(xm, ldx, 3, w, load8, load1, K, acc, NULL, 0); break;
+            case 2: tile(xm, ldx, 2, w, load8, load1, K, acc, NULL, 0); break;
+            default: tile(xm, ldx, 1, w, load8, load1, K, acc, m0 == 0 ? pf : NULL, pf_bytes); break;
         }
         for (int m = 0; m < mr; ++m)
             for (int j = 0; j < nr; ++j) {
@@ -131,41 +137,51 @@ tiled_linear(float *out, const float *x, int64_t ldx, widen_row_fn widen, const 
         for (int64_t n0 = 0; n0 < N; n0 += NR) {
             const int nr = N - n0 < NR ? (int)(N - n0) : NR;
             for (int j = 0; j < NR; ++j) widen(wb + j * K, weights, n0 + (j < nr ? j : 0), K);
-            rows_times_block(out, x, ldx, rows, f32_load8, f32_load1, nr, scale, bias, M, N, K, n0);
+            rows_times_block(out, x, ldx, rows, f32_load8, f32_load1, nr, scale, bias, M, N, K, n0, NULL, 0);
         }
         free(wb);
     }
 }
 
-/* STREAMED_LINEAR(name, load8, load1) defines `name`, the same product reading the weight rows
-   W [N, row_bytes] in place through load8 / load1, no buffer: NR consecutive rows are one
+/* STREAMED_LINEAR(name, load8, load1, spread) defines `name`, the same product reading the weight
+   rows W [N, row_bytes] in place through load8 / load1, no buffer: NR consecutive rows are one
    contiguous run, so each thread streams its share of W once, front to back (a last partial
    block repeats its first row). Converting the codes again for each tile of MR input rows
    (from L1 after the first) costs less than tiled_linear's store and reload of every weight:
    int8 over the default model's layers, 2 threads, 8 rows 17 vs 41 ms, 64 rows 118 vs 139 ms
-   for dequantize + F.linear. Each
-   block's lines are prefetched before its tiles run, and the next block's into L2: the rows
-   are read a few bytes per step, and without it one thread keeps too few cache misses in flight
-   (int8 at one row: 5 GB/s per thread, 13-17 with the first prefetch, on a 2-core AMD EPYC;
-   the next block's took float32's 30 layers and head at one row from a median 22.8-28.9 to
-   21.3-24.4 ms, alternated 25 times each, int8's within noise). A macro, so the loaders are named inside the
-   parallel region (whose body the compiler outlines) and inlined, not called through a
-   pointer. */
-#define STREAMED_LINEAR(name, load8, load1)                                                      \
+   for dequantize + F.linear. The rows are read a few bytes per step, and without prefetching
+   one thread keeps too few cache misses in flight (int8 at one row: 5 GB/s per thread, 13-17
+   with it, on a 2-core AMD EPYC). Each block's lines are prefetched before its tiles run and
+   the next block's into L2 — with `spread` and one input row, the next block's a share per
+   step of the tile instead (the current one then came in while the previous block ran): float32's 30
+   layers and head at one row, medians of 25 alternated runs, 23.7 -> 20.8 and 20.9 -> 17.8 ms;
+   int8's blocks are four times smaller and it was 30 % slower so. A macro, so the loaders are
+   named inside the parallel region (whose body the compiler outlines) and inlined, not called
+   through a pointer. */
+#define STREAMED_LINEAR(name, load8, load1, spread)                                              \
     static void name(float *out, const float *x, int64_t ldx, const void *weights,              \
                      int64_t row_bytes, const float *scale, const float *bias, int64_t M,       \
                      int64_t N, int64_t K, int nthreads) {                                       \
-        _Pragma("omp parallel for num_threads(nthreads) schedule(static)")                       \
-        for (int64_t n0 = 0; n0 < N; n0 += NR) {                                                 \
-            const int nr = N - n0 < NR ? (int)(N - n0) : NR;                                     \
-            const char *block = (const char *)weights + n0 * row_bytes;                          \
-            for (int64_t b = 0; b < nr * row_bytes; b += 64) __builtin_prefetch(block + b);     \
-            const int64_t next = N - n0 - NR < NR ? N - n0 - NR : NR;                            \
-            for (int64_t b = 0; b < next * row_bytes; b += 64)                                   \
-                __builtin_prefetch(block + NR * row_bytes + b, 0, 2);                            \
-            const void *rows[NR];                                                                \
-            for (int j = 0; j < NR; ++j) rows[j] = block + (j < nr ? j : 0) * row_bytes;        \
-            rows_times_block(out, x, ldx, rows, load8, load1, nr, scale, bias, M, N, K, n0);    \
+        const int sp = (spread) && M == 1;                                                       \
+        _Pragma("omp parallel num_threads(nthreads)") {                                          \
+            int64_t expect = -1;                                                                 \
+            _Pragma("omp for schedule(static)")                                                  \
+            for (int64_t n0 = 0; n0 < N; n0 += NR) {                                             \
+                const int nr = N - n0 < NR ? (int)(N - n0) : NR;                                 \
+                const char *block = (const char *)weights + n0 * row_bytes;                      \
+                const int64_t next = N - n0 - NR < NR ? N - n0 - NR : NR;                        \
+                const char *after = next > 0 ? block + NR * row_bytes : NULL;                    \
+                const int64_t after_bytes = next > 0 ? next * row_bytes : 0;                     \
+                if (!sp || n0 != expect)                                                         \
+                    for (int64_t b = 0; b < nr * row_bytes; b += 64) __builtin_prefetch(block + b); \
+                if (!sp)                                                                         \
+                    for (int64_t b = 0; b < after_bytes; b += 64) __builtin_prefetch(after + b, 0, 2); \
+                expect = n0 + NR;                                                                \
+                const void *rows[NR];                                                            \
+                for (int j = 0; j < NR; ++j) rows[j] = block + (j < nr ? j : 0) * row_bytes;    \
+                rows_times_block(out, x, ldx, rows, load8, load1, nr, scale, bias, M, N, K, n0,  \
+                                 sp ? after : NULL, after_bytes);                                \
+            }                                                                                    \
         }                                                                                        \
     }
 
