@@ -40,7 +40,8 @@ def checkpoints(tmp_path_factory, tiny) -> dict[str, str]:
 
 
 @pytest.mark.parametrize(
-    "arch, quantization", [("llama", "int8"), ("llama", "fp8"), ("qwen2", "int8"), ("mistral-window", "int8")]
+    "arch, quantization",
+    [("llama", "int8"), ("llama", "w8a8"), ("llama", "fp8"), ("qwen2", "int8"), ("mistral-window", "int8")],
 )
 def test_replays_give_the_eager_tokens(checkpoints, arch, quantization, monkeypatch, tokenmill_log):
     model = checkpoints[arch]
