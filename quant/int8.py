@@ -66,11 +66,11 @@ class Int8LinearMethod(OnlineQuantizedLinearMethod):
         return cpu_quant.int8_dequantize(layer.weight, layer.weight_scale, workspace(*layer.weight.shape))
 
 
-class W8A8LinearMethod(Int8LinearMethod):
-    """Activations quantized per row to int8 as well; int32 sums on every path. The codes are
-    stored in :func:`pack_panels`' layout, which the CPU kernel multiplies in place, at every row
-    count: on the default model's shapes 1.5-2.7x float32 oneDNN's rate with AVX-512 VNNI,
-    1.0-1.4x with AVX2 (``benchmarks/gemm.py``)."""
+class W8A8LinearMethod(OnlineQuantizedLinearMethod):
+    """``int8``'s codes and scales, activations quantized per row to int8 as well; int32 sums on
+    every path. The codes are stored in :func:`pack_panels`' layout, which the CPU kernel
+    multiplies in place, at every row count: on the default model's shapes 1.5-2.7x float32
+    oneDNN's rate with AVX-512 VNNI, 1.0-1.4x with AVX2 (``benchmarks/gemm.py``)."""
 
     gemm_rows = None
 
