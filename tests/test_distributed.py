@@ -19,6 +19,7 @@ from deepseek_checkpoints import save_deepseek
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import EngineConfig
 from tokenmill.engine.async_llm import AsyncLLM
+from tokenmill.engine.dp_client import WAITING_WEIGHT, load_score
 from tokenmill.engine.output_processor import RequestOutputKind
 from tokenmill.testing.checkpoints import random_prompts, save_tiny_checkpoint
 
@@ -211,7 +212,7 @@ def test_ray_executor_matches_tp1(tiny_models):
 
 
 def test_data_parallel_server_balances_and_routes_aborts(tmp_path):
-    """Two engine cores behind one server: all requests succeed, each core serves 40-60 %,
+    """Two engine cores behind one server: all requests succeed, each core serves 30-70 %,
     /metrics shows both, and a client that hangs up frees its request on its own core."""
     from test_server import RemoteServer
 
@@ -233,7 +234,9 @@ def test_data_parallel_server_balances_and_routes_aborts(tmp_path):
         assert all(r.choices[0].finish_reason == "length" for r in results)
         routed = engine_samples(server, "tokenmill:num_requests_routed_total")
         assert set(routed) == {"0", "1"} and sum(routed.values()) == 40
-        assert all(16 <= n <= 24 for n in routed.values()), routed
+        # Routing follows load (waiting * 4 + running), not counts: on two shared cores the
+        # core that gets less CPU prefills slower and is rightly sent fewer (25/15 seen in CI).
+        assert all(12 <= n <= 28 for n in routed.values()), routed
 
         # A stream of MAX_TOKENS that the client drops after a few: the owning core must
         # free it far sooner than it could have finished generating.
@@ -259,6 +262,17 @@ def test_data_parallel_server_balances_and_routes_aborts(tmp_path):
             time.sleep(0.02)
     finally:
         server.stop()
+
+
+def test_routing_counts_requests_the_core_has_not_received_yet():
+    """Regression: a core's stats can predate requests already sent to it; those count as
+    waiting until its stats show them received (the router used to forget them whenever the
+    core sent any output, so a burst piled onto whichever core answered first)."""
+    stale = {"num_requests_received": 1, "num_waiting_requests": 0, "num_running_requests": 1}
+    current = {"num_requests_received": 3, "num_waiting_requests": 0, "num_running_requests": 3}
+    assert load_score(stale, 4) == 3 * WAITING_WEIGHT + 1
+    assert load_score(current, 3) == 3
+    assert load_score(stale, 4) > load_score(current, 3)
 
 
 def engine_samples(server, name: str) -> dict[str, float]:

@@ -4,8 +4,8 @@ data-parallel client with its coordinator's load balancing, in one process).
 Each of the ``data_parallel_size`` cores is an ``MPClient`` (all started at once): its own
 busy-loop process, with its own executor (tensor-parallel workers too, when asked) and KV
 cache. A new request goes to the core with the lowest score ``waiting * 4 + running``,
-counted from the core's latest stats plus the requests sent to it since (as waiting); ties go
-to the lowest rank. Aborts and finishes follow a request to the core that owns it. Every
+counted from the core's latest stats plus, as waiting, the requests sent to it that those
+stats had not yet received; ties go to the lowest rank. Aborts and finishes follow a request to the core that owns it. Every
 core's outputs reach one ``output_handler``; if any core dies, the engine is dead.
 """
 
@@ -27,6 +27,16 @@ WAITING_WEIGHT = 4
 """A waiting request counts this many running ones when choosing a core."""
 
 
+def load_score(stats: dict[str, int], num_routed: int) -> int:
+    """How loaded a core is: its stats' waiting and running requests, with the ones routed to
+    it that its stats have not received yet (still in flight) counted as waiting.
+
+    The stats are the core's latest message, which can predate requests already sent to it."""
+    in_flight = num_routed - stats["num_requests_received"]
+    waiting = stats["num_waiting_requests"] + in_flight
+    return waiting * WAITING_WEIGHT + stats["num_running_requests"]
+
+
 class DPClient(EngineCoreClient):
     def __init__(
         self,
@@ -37,7 +47,6 @@ class DPClient(EngineCoreClient):
         self._lock = threading.Lock()
         self._owner: dict[str, int] = {}
         size = config.data_parallel_size
-        self._sent_since_stats = [0] * size
         self._num_routed = [0] * size
 
         def start(rank: int) -> MPClient:
@@ -57,9 +66,9 @@ class DPClient(EngineCoreClient):
 
     def add_request(self, request: EngineCoreRequest) -> None:
         with self._lock:
-            rank = min(range(len(self.cores)), key=self._score)
+            scores = [load_score(c.get_stats(), n) for c, n in zip(self.cores, self._num_routed)]
+            rank = scores.index(min(scores))
             self._owner[request.request_id] = rank
-            self._sent_since_stats[rank] += 1
             self._num_routed[rank] += 1
         self.cores[rank].add_request(request)
 
@@ -95,11 +104,6 @@ class DPClient(EngineCoreClient):
         for core in self.cores:
             core.shutdown()
 
-    def _score(self, rank: int) -> int:
-        stats = self.cores[rank].get_stats()
-        waiting = stats["num_waiting_requests"] + self._sent_since_stats[rank]
-        return waiting * WAITING_WEIGHT + stats["num_running_requests"]
-
     def _by_owner(self, req_ids: list[str]) -> dict[int, list[str]]:
         """The requests grouped by the core that owns them, which forgets them."""
         groups: dict[int, list[str]] = {}
@@ -114,7 +118,6 @@ class DPClient(EngineCoreClient):
         """Runs on core ``rank``'s receiving thread."""
         if isinstance(item, EngineCoreOutputs):
             with self._lock:
-                self._sent_since_stats[rank] = 0
                 for output in item.outputs:
                     if output.finish_reason is not None:
                         self._owner.pop(output.req_id, None)

@@ -83,6 +83,7 @@ class EngineCore:
         """Requests whose structured-output constraint is still compiling."""
         self.failed_req_ids: list[str] = []
         """The requests the latest step that raised finished with an error."""
+        self.num_requests_received = 0
 
     def _init_kv_cache(self) -> None:
         """Size the KV cache by the smallest rank's budget (lowering ``max_model_len`` when
@@ -124,6 +125,7 @@ class EngineCore:
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a request; one with a structured-output constraint waits until it compiled."""
+        self.num_requests_received += 1
         req = Request(
             request.request_id,
             request.prompt_token_ids,
@@ -248,6 +250,7 @@ class EngineCore:
             **spec,
             "num_running_requests": len(self.scheduler.running),
             "num_waiting_requests": len(self.scheduler.waiting) + len(self.waiting_for_fsm),
+            "num_requests_received": self.num_requests_received,
             "num_preemptions": self.scheduler.num_preemptions,
             "prefix_cache_query_tokens": kv.stats.queries,
             "prefix_cache_hit_tokens": kv.stats.hits,
