@@ -76,7 +76,7 @@ def test_avx2_keeps_float32_on_a_bf16_cpu(monkeypatch, isa, flags, dtype):
 
 @pytest.mark.parametrize(
     "preset,expected",
-    [({}, "1000"), ({"GOMP_SPINCOUNT": "5"}, "5"), ({"OMP_WAIT_POLICY": "ACTIVE"}, None)],
+    [({}, "30000"), ({"GOMP_SPINCOUNT": "5"}, "5"), ({"OMP_WAIT_POLICY": "ACTIVE"}, None)],
 )
 def test_openmp_spin_default(monkeypatch, preset, expected):
     for name in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY"):
