@@ -5,15 +5,15 @@ Each of the ``data_parallel_size`` cores is an ``MPClient`` (all started at once
 busy-loop process, with its own executor (tensor-parallel workers too, when asked) and KV
 cache. A new request goes to the core with the lowest score ``waiting * 4 + running``,
 counted from the core's latest stats plus, as waiting, the requests sent to it that those
-stats had not yet received; ties go to the lowest rank. Aborts and finishes follow a request to the core that owns it. Every
-core's outputs reach one ``output_handler``; if any core dies, the engine is dead.
+stats had not yet received; ties go to the lowest rank. Aborts and finishes follow a request
+to the core that owns it. Every core's outputs reach one ``output_handler``; if any core dies,
+the engine is dead.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import copy
-import functools
 import threading
 from collections.abc import Callable
 
@@ -52,7 +52,7 @@ class DPClient(EngineCoreClient):
         def start(rank: int) -> MPClient:
             core_config = copy.copy(config)
             core_config.data_parallel_rank = rank
-            return MPClient(core_config, functools.partial(self._on_output, rank))
+            return MPClient(core_config, self._on_output)
 
         with concurrent.futures.ThreadPoolExecutor(size) as pool:
             futures = [pool.submit(start, rank) for rank in range(size)]
@@ -114,8 +114,8 @@ class DPClient(EngineCoreClient):
                     groups.setdefault(rank, []).append(req_id)
         return groups
 
-    def _on_output(self, rank: int, item: EngineCoreOutputs | EngineDeadError) -> None:
-        """Runs on core ``rank``'s receiving thread."""
+    def _on_output(self, item: EngineCoreOutputs | EngineDeadError) -> None:
+        """Runs on the receiving thread of the core that sent ``item``."""
         if isinstance(item, EngineCoreOutputs):
             with self._lock:
                 for output in item.outputs:

@@ -155,9 +155,9 @@ tiled_linear(float *out, const float *x, int64_t ldx, widen_row_fn widen, const 
    the next block's into L2 — with `spread` and one input row, the next block's a share per
    step of the tile instead (the current one then came in while the previous block ran):
    float32's 30 layers and head at one row, medians of 25 alternated runs, 24.9 -> 21.4 and
-   22.2 -> 19.2 ms; int8's blocks are four times smaller and it was 30 % slower so. A macro, so the loaders are
-   named inside the parallel region (whose body the compiler outlines) and inlined, not called
-   through a pointer. */
+   22.2 -> 19.2 ms; int8's blocks are four times smaller and it was 30 % slower so. A macro,
+   so the loaders are named inside the parallel region (whose body the compiler outlines) and
+   inlined, not called through a pointer. */
 #define STREAMED_LINEAR(name, load8, load1, spread)                                              \
     static void name(float *out, const float *x, int64_t ldx, const void *weights,              \
                      int64_t row_bytes, const float *scale, const float *bias, int64_t M,       \
