@@ -42,11 +42,12 @@ def onednn_linear(
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-STREAM_MAX_ROWS = 2
+STREAM_MAX_ROWS = 4
 """Input rows up to which the C kernel (``cpu_quant.f32_linear``) multiplies instead of oneDNN:
-the default model's 30 layers and LM head (538 MB of float32 weights), 2 threads of an AMD EPYC
-with AVX-512, idle: 1 row 23.5 ms (22.9 GB/s) vs oneDNN's 25.8 ms, 2 rows equal, 4 rows 32.5 vs
-21.7 ms."""
+a decode step of up to 4 requests, or a speculative verification of one request's k <= 3 drafts
+and its token. The default model's 30 layers (424 MB of float32 weights), 2 threads of an AMD
+EPYC with AVX-512, best of 5: 1, 2, 3, 4, 8 rows 8.4, 10.6, 13.4, 17.0, 21.9 ms vs oneDNN's
+28.9, 29.2, 25.7, 25.3, 33.9 ms; held to AVX2, 8.5, 9.6, 9.4, 13.9, 17.0 vs 24.9-34.0 ms."""
 
 
 class OneDNNLinearMethod(UnquantizedLinearMethod):

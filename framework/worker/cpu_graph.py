@@ -12,7 +12,7 @@ viewing (a oneDNN product, an ``index_copy_``, an add); the tensors it allocates
 graph, so the recorded pointers stay valid; and a replay must reproduce the eager forward bit for
 bit. A size that fails any of these ends the capture (larger ones would fail alike) and runs
 eagerly. In practice: the quantization methods with C kernels (gguf, int8, int4, fp8) are
-captured at every decode size; float32 weights at 1 and 2 requests, where their products are C
+captured at every decode size; float32 weights up to 4 requests, where their products are C
 calls (``platforms/cpu_linear.py``, ``STREAM_MAX_ROWS``), not oneDNN. Graphs stop at
 ``MAX_SIZE`` requests: beyond that the Python cost is shared by enough rows to matter little.
 """

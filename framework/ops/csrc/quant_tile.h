@@ -48,8 +48,8 @@ static inline float f32_load1(const void *row, int64_t k) { return ((const float
 
 /* acc[m][j] = dot(x row m, weight row w[j]) for m < mr, j < NR over K columns, the weights read
    by load8 / load1 (inlined with the tile, so converting codes happens in registers). One input
-   row has a second set of accumulators, so its NR sums are not bound by the FMA latency, and
-   prefetches pf_bytes from pf into L2 a share per step (pf NULL: none). */
+   row has a second set of accumulators, so its NR sums are not bound by the FMA latency. The
+   tile prefetches pf_bytes from pf into L2 a share per step (pf_bytes 0: none). */
 static inline __attribute__((always_inline)) void
 tile(const float *x, int64_t ldx, const int mr, const void *const w[NR], load8_fn load8,
      load1_fn load1, int64_t K, float acc[MR][NR], const char *pf, int64_t pf_bytes) {
@@ -74,7 +74,11 @@ tile(const float *x, int64_t ldx, const int mr, const void *const w[NR], load8_f
         for (int j = 0; j < NR; ++j) a[0][j] += c[j];
         for (; off < pf_bytes; off += 64) __builtin_prefetch(pf + off, 0, 2);
     }
+    const int64_t steps8 = K / 8 > 0 ? K / 8 : 1, share8 = (pf_bytes / steps8 + 63) / 64 * 64;
+    int64_t off8 = mr == 1 ? pf_bytes : 0; /* one row: prefetched above */
     for (; k + 8 <= K; k += 8) {
+        for (int64_t b = 0; b < share8 && off8 < pf_bytes; b += 64, off8 += 64)
+            __builtin_prefetch(pf + off8, 0, 2);
         v8 xv[MR];
         for (int m = 0; m < mr; ++m) xv[m] = loadv(x + m * ldx + k);
         for (int j = 0; j < NR; ++j) {
@@ -82,6 +86,7 @@ tile(const float *x, int64_t ldx, const int mr, const void *const w[NR], load8_f
             for (int m = 0; m < mr; ++m) a[m][j] += xv[m] * wv;
         }
     }
+    for (; off8 < pf_bytes; off8 += 64) __builtin_prefetch(pf + off8, 0, 2);
     for (int m = 0; m < mr; ++m) {
         hsum4(a[m][0], a[m][1], a[m][2], a[m][3], acc[m]);
         for (int64_t kk = k; kk < K; ++kk)
@@ -101,10 +106,10 @@ rows_times_block(float *out, const float *x, int64_t ldx, const void *const w[NR
         const float *xm = x + m0 * ldx;
         switch (mr) {
 #if MR == 4
-            case 4: tile(xm, ldx, 4, w, load8, load1, K, acc, NULL, 0); break;
+            case 4: tile(xm, ldx, 4, w, load8, load1, K, acc, m0 == 0 ? pf : NULL, pf_bytes); break;
 #endif
-            case 3: tile(xm, ldx, 3, w, load8, load1, K, acc, NULL, 0); break;
-            case 2: tile(xm, ldx, 2, w, load8, load1, K, acc, NULL, 0); break;
+            case 3: tile(xm, ldx, 3, w, load8, load1, K, acc, m0 == 0 ? pf : NULL, pf_bytes); break;
+            case 2: tile(xm, ldx, 2, w, load8, load1, K, acc, m0 == 0 ? pf : NULL, pf_bytes); break;
             default: tile(xm, ldx, 1, w, load8, load1, K, acc, m0 == 0 ? pf : NULL, pf_bytes); break;
         }
         for (int m = 0; m < mr; ++m)
@@ -152,17 +157,19 @@ tiled_linear(float *out, const float *x, int64_t ldx, widen_row_fn widen, const 
    for dequantize + F.linear. The rows are read a few bytes per step, and without prefetching
    one thread keeps too few cache misses in flight (int8 at one row: 5 GB/s per thread, 13-17
    with it, on a 2-core AMD EPYC). Each block's lines are prefetched before its tiles run and
-   the next block's into L2 — with `spread` and one input row, the next block's a share per
-   step of the tile instead (the current one then came in while the previous block ran):
-   float32's 30 layers and head at one row, medians of 25 alternated runs, 24.9 -> 21.4 and
-   22.2 -> 19.2 ms; int8's blocks are four times smaller and it was 30 % slower so. A macro,
+   the next block's into L2 — with `spread` and at most one tile of input rows (M <= MR), the
+   next block's a share per step of the tile instead (the current one then came in while the
+   previous block ran): float32's 30 layers and head at one row, medians of 25 alternated runs,
+   24.9 -> 21.4 and 22.2 -> 19.2 ms; the 30 layers at 2, 3 and 4 rows (a speculative
+   verification), best of 5, 15.4 -> 10.6, 19.9 -> 13.4 and 24.7 -> 17.0 ms; int8's blocks are
+   four times smaller and it was 30 % slower so. A macro,
    so the loaders are named inside the parallel region (whose body the compiler outlines) and
    inlined, not called through a pointer. */
 #define STREAMED_LINEAR(name, load8, load1, spread)                                              \
     static void name(float *out, const float *x, int64_t ldx, const void *weights,              \
                      int64_t row_bytes, const float *scale, const float *bias, int64_t M,       \
                      int64_t N, int64_t K, int nthreads) {                                       \
-        const int sp = (spread) && M == 1;                                                       \
+        const int sp = (spread) && M <= MR;                                                      \
         _Pragma("omp parallel num_threads(nthreads)") {                                          \
             int64_t expect = -1;                                                                 \
             _Pragma("omp for schedule(static)")                                                  \
@@ -180,7 +187,7 @@ tiled_linear(float *out, const float *x, int64_t ldx, widen_row_fn widen, const 
                 const void *rows[NR];                                                            \
                 for (int j = 0; j < NR; ++j) rows[j] = block + (j < nr ? j : 0) * row_bytes;    \
                 rows_times_block(out, x, ldx, rows, load8, load1, nr, scale, bias, M, N, K, n0,  \
-                                 sp ? after : NULL, after_bytes);                                \
+                                 sp ? after : NULL, sp ? after_bytes : 0);                       \
             }                                                                                    \
         }                                                                                        \
     }
