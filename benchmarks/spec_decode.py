@@ -1,10 +1,12 @@
 """Speculative decoding vs none, side by side in one run, on the default model (greedy).
 
 Workloads:
-- ``copy``: single stream; chat prompts asking to rewrite a given passage (the n-gram
+- ``copy``: single stream; chat prompts asking to repeat a given passage (the n-gram
   proposer's case), ``--output-len`` tokens each.
-- ``chat``: single stream; 256-token chat prompts asking about passages (not a copy task; the
-  EAGLE head's case; the passages are not in its training data).
+- ``chat``: single stream; 256-token chat prompts asking one of four questions about passages
+  (not a copy task; the EAGLE heads' case; the passages are not in their training data).
+
+Single-stream runs generate for ``--single-stream-prompts`` prompts one after another.
 - ``concurrent``: ``--concurrency`` requests at once of the copy prompts.
 - ``chat-concurrent``: ``--concurrency`` requests at once of the chat prompts.
 
@@ -49,12 +51,13 @@ CONFIGS = {
     "ngram-k4-default-cutoff": {"method": "ngram", "num_speculative_tokens": 4,
                                    "prompt_lookup_min": 2, "prompt_lookup_max": 4},
     **{
-        f"eagle3-k{k}": {"method": "eagle3", "num_speculative_tokens": k, "disable_by_batch_size": 0}
-        for k in (1, 2, 3, 4)
+        f"{method}-k{k}": {"method": method, "num_speculative_tokens": k, "disable_by_batch_size": 0}
+        for method in ("eagle", "eagle3") for k in (1, 2, 3, 4)
     },
+    "eagle-k3-default-cutoff": {"method": "eagle", "num_speculative_tokens": 3},
     "eagle3-k3-default-cutoff": {"method": "eagle3", "num_speculative_tokens": 3},
 }
-"""Configurations by name; ``eagle3`` ones use the head shipped for the default model."""
+"""Configurations by name; ``eagle`` and ``eagle3`` ones use the heads shipped for the default model."""
 
 QUESTIONS = [
     "Explain what this passage says in your own words.",
@@ -103,6 +106,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--single-stream-prompts", type=int, default=4,
+                        help="prompts a single-stream run generates for, one at a time")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--workload", default="copy,chat,concurrent")
     parser.add_argument("--configs", default="none,ngram-k4,ngram-k4-default-cutoff,eagle3-k3,eagle3-k3-default-cutoff")
@@ -123,8 +128,11 @@ def main() -> None:
         for _ in range(args.repeats):
             for name, llm in engines.items():
                 before = llm.get_stats()
-                prompts = make_prompts(llm, n)
-                tokens, seconds = _run(llm, prompts, params)
+                if n == 1:  # single stream: the prompts one after another
+                    runs = [_run(llm, [p], params) for p in make_prompts(llm, args.single_stream_prompts)]
+                    tokens, seconds = sum(r[0] for r in runs), sum(r[1] for r in runs)
+                else:
+                    tokens, seconds = _run(llm, make_prompts(llm, n), params)
                 results[name].append(tokens / seconds)
                 after = llm.get_stats()
                 accept[name] = tuple(

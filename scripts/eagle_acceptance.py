@@ -1,10 +1,10 @@
-"""Does the engine feed an EAGLE-3 head as training did? On held-out text the default model
+"""Does the engine feed an EAGLE head as training did? On held-out text the default model
 generates itself, compare the head's teacher-forced top-1 per draft step (the training
-objective, computed by ``train_eagle3.py``'s whole-sequence head) with the engine's acceptance
+objective, computed by ``train_eagle.py``'s whole-sequence head) with the engine's acceptance
 per draft position on the same prompts. A large gap means the engine feeds the head other
 inputs than training did.
 
-    python scripts/eagle3_acceptance.py [--head DIR] [--prompts 8] [--gen-tokens 96]
+    python scripts/eagle_acceptance.py [--method eagle3] [--head DIR] [--prompts 8] [--gen-tokens 96]
 
 The prompts are composed as the training script's are, with another seed and past the ones it
 used. Acceptance at position 0 should come close to step 0's top-1 (drafts start at a subset of
@@ -22,22 +22,24 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-import train_eagle3 as train
+import train_eagle as train
 from tokenmill import LLM, SamplingParams
 from tokenmill.default_model import default_model_path
-from tokenmill.spec_decode.eagle import DEFAULT_MODEL_HEAD
+from tokenmill.spec_decode.eagle import DEFAULT_MODEL_HEADS
 
 
-def teacher_forced_top1(head_dir: Path, seqs, steps: int) -> list[float]:
+def teacher_forced_top1(method: str, head_dir: Path, seqs, steps: int) -> list[float]:
     """Top-1 per draft step over the generated positions (the target's next-next token)."""
-    feats, preds, embed, _ = train.target_features(str(default_model_path()), seqs, 8192)
+    feats, lasts, preds, embed, _ = train.target_features(str(default_model_path()), seqs, 8192)
     cfg = json.loads((head_dir / "config.json").read_text())
     tensors = load_file(str(head_dir / "model.safetensors"))
-    d2t = tensors.pop("d2t")
-    tensors.pop("t2d")
-    draft_ids = torch.arange(len(d2t)) + d2t
-    head = train.Eagle3Head(cfg, embed, len(d2t))
-    head.load_eagle3(tensors)
+    if method == "eagle3":
+        draft_ids = torch.arange(len(tensors["d2t"])) + tensors["d2t"]
+        head: train.DraftHead = train.Eagle3Head(cfg, embed, len(draft_ids))
+    else:  # the LM head is the target's (tied) embedding, over the whole vocabulary
+        draft_ids = torch.arange(len(embed))
+        head, feats = train.EagleHead(cfg, embed, embed), lasts
+    head.load_checkpoint(tensors)
     hits, totals = [0] * steps, [0] * steps
     with torch.no_grad():
         for (prompt, gen), f, p in zip(seqs, feats, preds):
@@ -52,17 +54,19 @@ def teacher_forced_top1(head_dir: Path, seqs, steps: int) -> list[float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--head", type=Path, default=DEFAULT_MODEL_HEAD)
+    parser.add_argument("--method", choices=sorted(DEFAULT_MODEL_HEADS), default="eagle3")
+    parser.add_argument("--head", type=Path, help="default: the one shipped for the method")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--gen-tokens", type=int, default=96)
     parser.add_argument("--k", type=int, default=3)
     args = parser.parse_args()
-    prompts = train.compose_prompts(1000 + args.prompts, seed=12345)[-args.prompts :]
-    seqs = train.generate(prompts, args.gen_tokens)
-    top1 = teacher_forced_top1(args.head, seqs, args.k)
+    head = args.head or DEFAULT_MODEL_HEADS[args.method]
+    prompts = train.compose_prompts(1000 + args.prompts, 12345, train.passages())[-args.prompts :]
+    seqs = train.generate(train.engine(), prompts, args.gen_tokens)
+    top1 = teacher_forced_top1(args.method, head, seqs, args.k)
     print("teacher-forced top-1 per draft step: " + " ".join(f"{a:.3f}" for a in top1))
 
-    spec = {"method": "eagle3", "model": str(args.head), "num_speculative_tokens": args.k, "disable_by_batch_size": 0}
+    spec = {"method": args.method, "model": str(head), "num_speculative_tokens": args.k, "disable_by_batch_size": 0}
     llm = LLM(max_model_len=1024, kv_cache_memory_bytes=2**28, speculative_config=spec)
     params = SamplingParams(temperature=0, max_tokens=args.gen_tokens, ignore_eos=True)
     for prompt, gen in seqs:  # one at a time, as the single-stream benchmark runs

@@ -1,32 +1,39 @@
-"""Train the EAGLE-3 head shipped for the default model (SmolLM2-135M-Instruct), on the CPU, by
+"""Train the EAGLE heads shipped for the default model (SmolLM2-135M-Instruct), on the CPU, by
 self-distillation: the target's own greedy continuations of locally written prompts are the data.
 
-1. Prompts: chat requests composed from topic x task templates, and questions about passages
-   of local text (``docs/*.md``, ``tests/lm_eval_tasks/*.jsonl``, one or two paragraphs each). The
+1. Prompts, in two rounds. Round one asks for ``--paragraphs`` paragraphs about topics; round
+   two (``--prompts``) is half topic x task requests, half questions about one to three
+   passages: paragraphs round one wrote, ``docs/*.md`` and ``tests/lm_eval_tasks/*.jsonl``. The
    README and the passages of ``benchmarks/spec_decode.py`` are left out: the benchmark's
    prompts come from them.
 2. tokenmill generates each prompt's greedy continuation (``--gen-tokens``, ``ignore_eos``).
-3. transformers runs the same weights over prompt + continuation once and keeps the residual
-   stream entering layers 2, 15 and 27 (what the engine feeds the head; float16 in memory) and
-   the target's argmax at every position.
-4. The draft vocabulary is the ``--draft-vocab`` tokens the target predicts most often;
-   ``d2t`` maps them back.
-5. The head (``fc`` over the three layers' states, one Llama decoder layer over
-   ``[embedding || hidden]``, norm, LM head over the draft vocabulary) is trained at every
-   position, prompt ones included, with cross-entropy on the target's argmax one position on
-   (what greedy verification compares a draft with), unrolled over ``--ttt-steps`` draft steps
-   as at inference: step j feeds back the head's own output of step j - 1 and attends to the
-   earlier positions' step-0 entries plus its own chain (EAGLE-3's "training-time test"). The
-   LM head starts from the target's (tied) embedding rows of the draft vocabulary and the final
-   norm from the target's. The learning rate follows a cosine over ``--train-minutes``, and the
-   head is saved every ``--save-minutes`` (the data of steps 1-3 once, with ``--data``).
-6. The head is written as float16 safetensors in the EAGLE-3 authors' layout (``fc``,
-   ``midlayer.*``, ``norm``, ``lm_head``, ``d2t``, ``t2d``) with its ``config.json``; the
-   held-out top-1 (generated positions of held-out prompts) is printed per draft step.
+3. transformers runs the same weights over prompt + continuation once and keeps, float16 in
+   memory, the residual stream entering layers 2, 15 and 27 (what the engine feeds an EAGLE-3
+   head), the final normalised state (what it feeds an EAGLE-1 head) and the target's argmax
+   at every position.
+4. The ``--draft-vocab`` tokens the target predicts most often are an EAGLE-3 head's draft
+   vocabulary (``d2t`` maps them back) and the vocabulary an EAGLE-1 head's cross-entropy is
+   taken over (at inference it takes logits over all of the target's).
+5. ``--method eagle3``: ``fc`` over the three layers' states, one Llama decoder layer over
+   ``[embedding || hidden]``, norm, LM head over the draft vocabulary (started from the
+   target's tied embedding rows and final norm). ``--method eagle``: ``fc`` over
+   ``[embedding || final state]``, one decoder layer whose output is the predicted next final
+   state, the target's LM head. Trained at every position, prompt ones included, with
+   cross-entropy on the target's argmax one position on (what greedy verification compares a
+   draft with; EAGLE-1 adds the distance to the target's next state), unrolled over
+   ``--ttt-steps`` draft steps as at inference: step j feeds back the head's own output of
+   step j - 1 and attends to the earlier positions' step-0 entries plus its own chain
+   (EAGLE-3's "training-time test"). The learning rate follows a cosine over
+   ``--train-minutes``, and the head is saved every ``--save-minutes`` (the data of steps 1-3
+   once, with ``--data``).
+6. The head is written as float16 safetensors in its authors' layout (EAGLE-3: ``fc``,
+   ``midlayer.*``, ``norm``, ``lm_head``, ``d2t``, ``t2d``; EAGLE-1: ``fc``, ``layers.0.*``)
+   with its ``config.json``; the held-out top-1 (generated positions of held-out prompts) is
+   printed per draft step.
 
-    python scripts/train_eagle3.py --out spec_decode/heads/SmolLM2-135M-Instruct-eagle3
+    python scripts/train_eagle.py --method eagle3 --out spec_decode/heads/SmolLM2-135M-Instruct-eagle3
 
-Seeded (``--seed``); what it printed for the shipped head is in the head's README.md.
+Seeded (``--seed``); what it printed for the shipped heads is in their README.md.
 """
 
 from __future__ import annotations
@@ -59,6 +66,37 @@ TOPICS = [
     "a rainy day", "the ocean", "a lost cat", "a robot who learns to paint", "a small village",
     "prime numbers", "sorting algorithms", "a healthy breakfast", "running a marathon",
     "the history of money", "owls", "tea", "wind turbines", "the Silk Road", "bridges",
+    "the Vikings", "the human brain", "antibiotics", "the steam engine", "the Cold War",
+    "nuclear power", "the Sahara desert", "elephants", "the Moon", "the telephone",
+    "the Black Death", "the theory of evolution", "DNA", "the Pacific Ocean", "tornadoes",
+    "the Aztecs", "ancient Greece", "the Eiffel Tower", "the Amazon rainforest", "whales",
+    "the railway", "airplanes", "the camera", "the human skeleton", "the solar system",
+    "gravity", "electricity", "magnets", "rainbows", "the seasons", "the Arctic", "deserts",
+    "mountains", "rivers", "the Industrial Revolution", "the Middle Ages", "castles",
+    "the Internet of Things", "cloud computing", "databases", "operating systems",
+    "the Python programming language", "open-source software", "cybersecurity", "robots",
+    "artificial intelligence", "video games", "social media", "online shopping",
+    "renewable energy", "water pollution", "plastic waste", "deforestation", "biodiversity",
+    "the human digestive system", "nutrition", "exercise", "meditation", "stress",
+    "the common cold", "blood", "the eye", "the ear", "teeth", "the skin", "muscles",
+    "Shakespeare", "the novel", "poetry", "painting", "sculpture", "architecture",
+    "classical music", "rock music", "the guitar", "film", "theatre", "photography",
+    "football", "tennis", "swimming", "the Tour de France", "mountain climbing", "yoga",
+    "cooking pasta", "chocolate", "cheese", "rice", "the potato", "spices", "wine making",
+    "farming", "bees and pollination", "forests", "mushrooms", "trees", "flowers", "cats",
+    "dogs", "horses", "birds", "frogs", "butterflies", "ants", "wolves", "lions",
+    "inflation", "taxes", "banks", "trade", "supply and demand", "startups", "marketing",
+    "job interviews", "writing a resume", "teamwork", "leadership", "negotiation",
+    "saving money", "budgeting", "studying for exams", "reading books", "libraries",
+    "universities", "the scientific method", "telescopes", "microscopes", "atoms",
+    "chemical reactions", "the weather", "clouds", "snow", "the sun", "stars", "comets",
+    "the International Space Station", "rockets", "satellites", "GPS", "maps",
+    "the compass", "sailing ships", "submarines", "trains", "cities", "traffic",
+    "public transport", "housing", "the family", "childhood", "old age", "holidays",
+    "birthdays", "New Year traditions", "festivals", "languages", "writing systems",
+    "the alphabet", "mathematics", "fractions", "geometry", "statistics", "probability",
+    "algebra", "calculus", "cryptography", "computer networks", "the web browser",
+    "email", "search engines", "programming", "debugging code", "unit tests", "Linux",
 ]
 
 TASKS = [
@@ -80,7 +118,27 @@ TASKS = [
     "Tell me a joke about {t}.",
     "How would you explain {t} to someone from the year 1800?",
     "Write a dialogue between a teacher and a student about {t}.",
+    "What is {t}?",
+    "Tell me about {t}.",
+    "How does {t} work?",
+    "What should a beginner know about {t}?",
+    "Give three tips related to {t}.",
+    "Write an essay outline about {t}.",
+    "What is the future of {t}?",
+    "How has {t} changed over time?",
+    "Write a product description inspired by {t}.",
+    "Describe a day in the life of someone who studies {t}.",
+    "What are the key terms to know about {t}? Define each.",
+    "Write a news headline and a short article about {t}.",
 ]
+
+PARAGRAPH_TASKS = [
+    "Write an informative paragraph about {t}.",
+    "Write an encyclopedia-style paragraph about {t}.",
+    "Write a paragraph about the history of {t}.",
+    "Write a short factual text about {t} for a school textbook.",
+]
+"""Round one: paragraphs the default model writes, the passages of round two's questions."""
 
 PASSAGE_TASKS = [
     "Summarize this text:\n\n{p}",
@@ -91,6 +149,14 @@ PASSAGE_TASKS = [
     "Read the text below and tell me what you learned from it.\n\n{p}",
     "What questions does this text answer? Answer them.\n\n{p}",
     "Who would find this text useful, and why?\n\n{p}",
+    "Describe what this text tells us, in your own words.\n\n{p}",
+    "Give a short summary of the important ideas in the following text.\n\n{p}",
+    "Write three questions about this text and answer each one.\n\n{p}",
+    "Why is the information in this text useful? Explain.\n\n{p}",
+    "Explain this text to a child.\n\n{p}",
+    "What is the most surprising fact in this text? Explain why.\n\n{p}",
+    "Write a paragraph that continues this text.\n\n{p}",
+    "List the facts in this text, one per line.\n\n{p}",
 ]
 
 AUX_LAYERS = (2, 15, 27)
@@ -110,16 +176,25 @@ def passages() -> list[str]:
     return texts
 
 
-def compose_prompts(n: int, seed: int) -> list[str]:
-    """Half topic x task requests, half questions about one or two local passages."""
+def paragraph_prompts(n: int, seed: int) -> list[str]:
+    """Round one's requests: a paragraph about a topic."""
+    rng = random.Random(seed)
+    pairs = [(task, topic) for task in PARAGRAPH_TASKS for topic in TOPICS]
+    rng.shuffle(pairs)
+    return [task.format(t=topic) for task, topic in pairs[:n]]
+
+
+def compose_prompts(n: int, seed: int, texts: list[str]) -> list[str]:
+    """Half topic x task requests, half questions about one to three of ``texts`` (joined,
+    then cut to 40-220 words)."""
     rng = random.Random(seed)
     pairs = [(task, topic) for task in TASKS for topic in TOPICS]
     rng.shuffle(pairs)
-    texts = passages()
     out = []
     for i in range(n):
         if i % 2 and texts:
-            text = "\n\n".join(rng.sample(texts, rng.randint(1, 2)))
+            words = " ".join(rng.sample(texts, rng.randint(1, 3))).split()
+            text = " ".join(words[: rng.randint(40, 220)])
             out.append(rng.choice(PASSAGE_TASKS).format(p=text))
         else:
             task, topic = pairs[i % len(pairs)]
@@ -127,11 +202,10 @@ def compose_prompts(n: int, seed: int) -> list[str]:
     return out
 
 
-def generate(prompts: list[str], gen_tokens: int) -> list[tuple[list[int], list[int]]]:
-    """(prompt ids, greedy continuation ids) per prompt, from tokenmill."""
-    from tokenmill import LLM, SamplingParams
+def generate(llm, prompts: list[str], gen_tokens: int) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, greedy continuation ids) per prompt, from tokenmill's ``llm``."""
+    from tokenmill import SamplingParams
 
-    llm = LLM(max_model_len=1024, kv_cache_memory_bytes=2**30)
     tokenizer = llm.get_tokenizer()
     chats = [
         tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
@@ -142,15 +216,42 @@ def generate(prompts: list[str], gen_tokens: int) -> list[tuple[list[int], list[
     return [(list(o.prompt_token_ids), list(o.outputs[0].token_ids)) for o in outs]
 
 
+def engine():
+    """The default model in tokenmill, batched for throughput."""
+    from tokenmill import LLM
+
+    return LLM(max_model_len=1024, kv_cache_memory_bytes=2**30, max_num_seqs=128, max_num_batched_tokens=4096)
+
+
+def make_data(n_paragraphs: int, n_prompts: int, gen_tokens: int, seed: int) -> list[tuple[list[int], list[int]]]:
+    """Two rounds of the default model's greedy continuations: paragraphs about topics, then
+    requests and questions about those paragraphs and local passages."""
+    llm = engine()
+    tokenizer = llm.get_tokenizer()
+    first = generate(llm, paragraph_prompts(n_paragraphs, seed), gen_tokens)
+    written = []
+    for _, gen in first:
+        if tokenizer.eos_token_id in gen:
+            gen = gen[: gen.index(tokenizer.eos_token_id)]
+        text = tokenizer.decode(gen, skip_special_tokens=True).strip()
+        if len(text) >= 200:
+            written.append(text)
+    print(f"round one: {len(written)} of {len(first)} paragraphs kept as passages", flush=True)
+    return first + generate(llm, compose_prompts(n_prompts, seed, passages() + written), gen_tokens)
+
+
 @torch.inference_mode()
 def target_features(model_dir: str, seqs: list[tuple[list[int], list[int]]], batch_tokens: int):
-    """Per sequence: the residual stream entering ``AUX_LAYERS`` ([L, 3·hidden], float16) and
-    the target's argmax at each position ([L]); the embedding and final norm weights."""
+    """Per sequence: the residual stream entering ``AUX_LAYERS`` ([L, 3·hidden], float16, what
+    an EAGLE-3 head reads), the final normalised hidden state ([L, hidden], float16, what an
+    EAGLE-1 head reads) and the target's argmax at each position ([L]); the embedding and
+    final norm weights."""
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i][0]) + len(seqs[i][1]))
     feats: list[torch.Tensor | None] = [None] * len(seqs)
+    lasts: list[torch.Tensor | None] = [None] * len(seqs)
     preds: list[torch.Tensor | None] = [None] * len(seqs)
     i = 0
     while i < len(order):
@@ -166,20 +267,19 @@ def target_features(model_dir: str, seqs: list[tuple[list[int], list[int]]], bat
         argmax = model.lm_head(hs[-1]).argmax(dim=-1)
         for row, j in enumerate(group):
             feats[j] = aux[row, : len(ids[row])].clone()
+            lasts[j] = hs[-1][row, : len(ids[row])].half()
             preds[j] = argmax[row, : len(ids[row])].clone()
         print(f"features {i}/{len(order)}", flush=True)
     embed = model.model.embed_tokens.weight.detach().clone()
-    return feats, preds, embed, model.model.norm.weight.detach().clone()
+    return feats, lasts, preds, embed, model.model.norm.weight.detach().clone()
 
 
-EAGLE3_NAMES = {
-    "fc": "fc", "norm": "norm", "lm_head": "lm_head",
-    "input_layernorm": "midlayer.input_layernorm", "hidden_norm": "midlayer.hidden_norm",
-    "post_attention_layernorm": "midlayer.post_attention_layernorm",
-    **{p: f"midlayer.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj", "o_proj")},
-    **{p: f"midlayer.mlp.{p}" for p in ("gate_proj", "up_proj", "down_proj")},
+LAYER_NAMES = {
+    "post_attention_layernorm": "post_attention_layernorm",
+    **{p: f"self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj", "o_proj")},
+    **{p: f"mlp.{p}" for p in ("gate_proj", "up_proj", "down_proj")},
 }
-"""``Eagle3Head`` module names -> the EAGLE-3 checkpoint's (``.weight`` appended)."""
+"""The decoder layer's module names -> HF Llama's within a layer."""
 
 
 class RMSNorm(nn.Module):
@@ -192,32 +292,42 @@ class RMSNorm(nn.Module):
         return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
 
 
-class Eagle3Head(nn.Module):
-    """The head as tokenmill's ``Eagle3LlamaForCausalLM`` runs it, over whole sequences, with
-    the unrolled attention of the training-time test."""
+class DraftHead(nn.Module):
+    """One Llama decoder layer run over whole sequences with the unrolled attention of the
+    training-time test; subclasses say what enters the layer, how its output becomes logits
+    and how the weights are named in their checkpoint layout (``names``: module -> name)."""
 
-    def __init__(self, cfg: dict, embed: torch.Tensor, draft_vocab: int) -> None:
+    names: dict[str, str]
+
+    def __init__(self, cfg: dict, embed: torch.Tensor, qkv_in: int) -> None:
         super().__init__()
-        h, inter, eps = cfg["hidden_size"], cfg["intermediate_size"], cfg["rms_norm_eps"]
+        h, inter = cfg["hidden_size"], cfg["intermediate_size"]
         self.heads, self.kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
         self.head_dim = cfg.get("head_dim") or h // self.heads
         theta = cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"]
         self.register_buffer("embed", embed, persistent=False)
-        self.fc = nn.Linear(3 * h, h, bias=False)
-        self.input_layernorm = RMSNorm(h, eps)
-        self.hidden_norm = RMSNorm(h, eps)
-        self.post_attention_layernorm = RMSNorm(h, eps)
-        self.q_proj = nn.Linear(2 * h, self.heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(2 * h, self.kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(2 * h, self.kv_heads * self.head_dim, bias=False)
+        self.q_proj = nn.Linear(qkv_in, self.heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(qkv_in, self.kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(qkv_in, self.kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.heads * self.head_dim, h, bias=False)
+        self.post_attention_layernorm = RMSNorm(h, cfg["rms_norm_eps"])
         self.gate_proj = nn.Linear(h, inter, bias=False)
         self.up_proj = nn.Linear(h, inter, bias=False)
         self.down_proj = nn.Linear(inter, h, bias=False)
-        self.norm = RMSNorm(h, eps)
-        self.lm_head = nn.Linear(h, draft_vocab, bias=False)
         inv_freq = 1.0 / theta ** (torch.arange(0, self.head_dim, 2).float() / self.head_dim)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def start(self, feats: torch.Tensor) -> torch.Tensor:
+        """The state step 0 reads from the target's features."""
+        raise NotImplementedError
+
+    def layer_input(self, emb: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(what the attention projects, the residual) of a step reading ``emb`` and ``hidden``."""
+        raise NotImplementedError
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits over the training vocabulary of output states."""
+        raise NotImplementedError
 
     def rope(self, x: torch.Tensor) -> torch.Tensor:
         angles = torch.arange(x.shape[2], dtype=torch.float32)[:, None] * self.inv_freq[None]
@@ -225,19 +335,15 @@ class Eagle3Head(nn.Module):
         x1, x2 = x.chunk(2, dim=-1)
         return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Draft-vocabulary logits of output states."""
-        return self.lm_head(self.norm(hidden))
-
-    def forward(self, next_ids: torch.Tensor, aux: torch.Tensor, steps: int) -> list[torch.Tensor]:
-        """The output (pre-norm) states of each unrolled step ([B, L, hidden] each).
+    def forward(self, next_ids: torch.Tensor, feats: torch.Tensor, steps: int) -> list[torch.Tensor]:
+        """The output states of each unrolled step ([B, L, hidden] each).
 
         Position ``q`` of step ``j`` reads token ``next_ids[q]`` and, for ``j > 0``, the step
         ``j - 1`` output at ``q - 1``; it attends to step-0 keys at positions ``<= q - j`` and to
         the key of step ``i`` at ``q - j + i`` for ``i = 1..j``."""
-        b, length, _ = aux.shape
-        emb = self.input_layernorm(F.embedding(next_ids, self.embed))
-        hidden = self.fc(aux)
+        b, length = next_ids.shape
+        emb = F.embedding(next_ids, self.embed)
+        hidden = self.start(feats)
         scale = self.head_dim**-0.5
         rows = torch.arange(length)[:, None]
         cols = torch.arange(length)[None]
@@ -247,7 +353,7 @@ class Eagle3Head(nn.Module):
         for j in range(steps):
             if j:
                 hidden = F.pad(hidden, (0, 0, 1, 0))[:, :length]
-            x = torch.cat((emb, self.hidden_norm(hidden)), dim=-1)
+            x, residual = self.layer_input(emb, hidden)
             q = self.rope(self.q_proj(x).view(b, length, self.heads, self.head_dim).transpose(1, 2))
             k = self.rope(self.k_proj(x).view(b, length, self.kv_heads, self.head_dim).transpose(1, 2))
             v = self.v_proj(x).view(b, length, self.kv_heads, self.head_dim).transpose(1, 2)
@@ -266,22 +372,78 @@ class Eagle3Head(nn.Module):
             attn = probs[..., :length] @ values[0]
             for i, v_i in enumerate(extra_values):
                 attn = attn + probs[..., length + i : length + i + 1] * v_i
-            attn = self.o_proj(attn.transpose(1, 2).reshape(b, length, -1))
-            residual = hidden + attn
-            hidden = residual + self.down_proj(
-                F.silu(self.gate_proj(self.post_attention_layernorm(residual))) * self.up_proj(self.post_attention_layernorm(residual))
-            )
+            residual = residual + self.o_proj(attn.transpose(1, 2).reshape(b, length, -1))
+            normed = self.post_attention_layernorm(residual)
+            hidden = residual + self.down_proj(F.silu(self.gate_proj(normed)) * self.up_proj(normed))
             outputs.append(hidden)
         return outputs
 
-    def state_dict_eagle3(self, d2t: torch.Tensor, t2d: torch.Tensor) -> dict[str, torch.Tensor]:
-        out = {f"{EAGLE3_NAMES[n.split('.')[0]]}.weight": p.detach().half().contiguous() for n, p in self.named_parameters()}
-        return out | {"d2t": d2t, "t2d": t2d}
+    def checkpoint(self) -> dict[str, torch.Tensor]:
+        """The trained weights (float16) under the checkpoint layout's names."""
+        return {
+            f"{self.names[n.split('.')[0]]}.weight": p.detach().half().contiguous()
+            for n, p in self.named_parameters()
+        }
 
-    def load_eagle3(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Load what ``state_dict_eagle3`` wrote (less ``d2t``/``t2d``)."""
-        ours = {f"{theirs}.weight": name for name, theirs in EAGLE3_NAMES.items()}
-        self.load_state_dict({f"{ours[n]}.weight": t.float() for n, t in tensors.items()})
+    def load_checkpoint(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Load what ``checkpoint`` wrote (other tensors, as ``d2t``, are ignored)."""
+        ours = {f"{theirs}.weight": name for name, theirs in self.names.items()}
+        self.load_state_dict({f"{ours[n]}.weight": t.float() for n, t in tensors.items() if n in ours})
+
+
+class Eagle3Head(DraftHead):
+    """The head as tokenmill's ``Eagle3LlamaForCausalLM`` runs it: ``fc`` over the three
+    layers' states; the layer reads ``[norm(embedding) || norm(state)]`` and adds to the state;
+    logits through the final norm and the draft-vocabulary LM head."""
+
+    names = {
+        "fc": "fc", "norm": "norm", "lm_head": "lm_head",
+        "input_layernorm": "midlayer.input_layernorm", "hidden_norm": "midlayer.hidden_norm",
+        **{ours: f"midlayer.{theirs}" for ours, theirs in LAYER_NAMES.items()},
+    }
+
+    def __init__(self, cfg: dict, embed: torch.Tensor, draft_vocab: int) -> None:
+        h, eps = cfg["hidden_size"], cfg["rms_norm_eps"]
+        super().__init__(cfg, embed, 2 * h)
+        self.fc = nn.Linear(3 * h, h, bias=False)
+        self.input_layernorm = RMSNorm(h, eps)
+        self.hidden_norm = RMSNorm(h, eps)
+        self.norm = RMSNorm(h, eps)
+        self.lm_head = nn.Linear(h, draft_vocab, bias=False)
+
+    def start(self, feats: torch.Tensor) -> torch.Tensor:
+        return self.fc(feats)
+
+    def layer_input(self, emb: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.cat((self.input_layernorm(emb), self.hidden_norm(hidden)), dim=-1), hidden
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(hidden))
+
+
+class EagleHead(DraftHead):
+    """The head as tokenmill's ``EagleLlamaForCausalLM`` runs it (EAGLE-1): ``fc`` over
+    ``[embedding || target's final normalised state]``, the layer without an input norm, its
+    output the predicted next state, logits through the target's LM head (here ``lm_rows``,
+    its rows of the training vocabulary)."""
+
+    names = {"fc": "fc", **{ours: f"layers.0.{theirs}" for ours, theirs in LAYER_NAMES.items()}}
+
+    def __init__(self, cfg: dict, embed: torch.Tensor, lm_rows: torch.Tensor) -> None:
+        h = cfg["hidden_size"]
+        super().__init__(cfg, embed, h)
+        self.fc = nn.Linear(2 * h, h, bias=False)
+        self.register_buffer("lm_rows", lm_rows, persistent=False)
+
+    def start(self, feats: torch.Tensor) -> torch.Tensor:
+        return feats
+
+    def layer_input(self, emb: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = self.fc(torch.cat((emb, hidden), dim=-1))
+        return x, x
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden @ self.lm_rows.T
 
 
 def batches(examples, batch_tokens: int, rng: random.Random):
@@ -297,26 +459,34 @@ def batches(examples, batch_tokens: int, rng: random.Random):
 
 
 def collate(examples, group):
+    """Padded (next ids, labels, features, regression targets or None) of ``group``."""
     width = max(len(examples[i][0]) for i in group)
     ids = torch.zeros(len(group), width, dtype=torch.int64)
     labels = torch.full((len(group), width), -100, dtype=torch.int64)
-    aux = torch.zeros(len(group), width, examples[group[0]][2].shape[-1])
+    feats = torch.zeros(len(group), width, examples[group[0]][2].shape[-1])
+    regress = None if examples[group[0]][3] is None else torch.zeros_like(feats[..., : examples[group[0]][3].shape[-1]])
     for row, i in enumerate(group):
-        next_ids, lab, feats = examples[i]
+        next_ids, lab, f, r = examples[i]
         ids[row, : len(next_ids)] = next_ids
         labels[row, : len(lab)] = lab
-        aux[row, : len(feats)] = feats.float()
-    return ids, labels, aux
+        feats[row, : len(f)] = f.float()
+        if regress is not None:
+            regress[row, : len(r)] = r.float()
+    return ids, labels, feats, regress
 
 
-def step_losses(model, ids, labels, aux, steps):
-    """Cross-entropy and top-1 accuracy per unrolled step; step j scores positions >= j."""
+def step_losses(model, ids, labels, feats, regress, steps):
+    """Loss and top-1 accuracy per unrolled step; step j scores positions >= j. The loss is
+    cross-entropy on the target's next argmax, plus for EAGLE-1 ten times the smooth-L1
+    distance to the target's next state (the EAGLE authors' 1 : 0.1 weighting)."""
     out = []
-    for j, hidden in enumerate(model(ids, aux, steps)):
+    for j, hidden in enumerate(model(ids, feats, steps)):
         valid = labels != -100
         valid[:, :j] = False
         logits = model.logits(hidden[valid])
         loss = F.cross_entropy(logits, labels[valid])
+        if regress is not None:
+            loss = loss + 10 * F.smooth_l1_loss(hidden[valid], regress[valid])
         acc = (logits.argmax(-1) == labels[valid]).float().mean()
         out.append((loss, acc))
     return out
@@ -324,10 +494,13 @@ def step_losses(model, ids, labels, aux, steps):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--method", choices=("eagle3", "eagle"), default="eagle3")
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--prompts", type=int, default=192)
+    parser.add_argument("--paragraphs", type=int, default=640, help="round one's prompts")
+    parser.add_argument("--prompts", type=int, default=2560, help="round two's prompts")
     parser.add_argument("--gen-tokens", type=int, default=128)
-    parser.add_argument("--draft-vocab", type=int, default=4096)
+    parser.add_argument("--draft-vocab", type=int, default=4096,
+                        help="eagle3: the draft vocabulary; eagle: the tokens cross-entropy is over")
     parser.add_argument("--intermediate-size", type=int, default=768)
     parser.add_argument("--ttt-steps", type=int, default=3)
     parser.add_argument("--train-minutes", type=float, default=30)
@@ -345,13 +518,13 @@ def main() -> None:
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     t0 = time.perf_counter()
     if args.data is not None and args.data.exists():
-        seqs, feats, preds, embed, final_norm = torch.load(args.data)
+        seqs, feats, lasts, preds, embed, final_norm = torch.load(args.data)
     else:
-        seqs = generate(compose_prompts(args.prompts, args.seed), args.gen_tokens)
+        seqs = make_data(args.paragraphs, args.prompts, args.gen_tokens, args.seed)
         print(f"generated {sum(len(g) for _, g in seqs)} tokens in {time.perf_counter() - t0:.0f} s", flush=True)
-        feats, preds, embed, final_norm = target_features(model_dir, seqs, 4 * args.batch_tokens)
+        feats, lasts, preds, embed, final_norm = target_features(model_dir, seqs, 4 * args.batch_tokens)
         if args.data is not None:
-            torch.save((seqs, feats, preds, embed, final_norm), args.data)
+            torch.save((seqs, feats, lasts, preds, embed, final_norm), args.data)
     print(f"data ready after {time.perf_counter() - t0:.0f} s: {len(seqs)} sequences, "
           f"{sum(len(p) for p, _ in seqs)} prompt and {sum(len(g) for _, g in seqs)} generated tokens", flush=True)
 
@@ -362,22 +535,32 @@ def main() -> None:
     to_draft[draft_ids] = torch.arange(args.draft_vocab)
     print(f"draft vocabulary {args.draft_vocab}: {coverage:.3f} of the target's predictions", flush=True)
 
-    # Example: next ids (x[q+1]), labels (draft id of the target's argmax at q+1), features f[q].
+    # Example: next ids (x[q+1]), labels (vocabulary id of the target's argmax at q+1), the
+    # features at q and, for EAGLE-1, the state at q + 1 it regresses to.
+    states = feats if args.method == "eagle3" else lasts
     examples = [
-        (torch.tensor(prompt + gen)[1:], to_draft[p[1:]], f[:-1], len(prompt))
-        for (prompt, gen), f, p in zip(seqs, feats, preds)
+        (torch.tensor(pr + g)[1:], to_draft[p[1:]], f[:-1], None if args.method == "eagle3" else f[1:], len(pr))
+        for (pr, g), f, p in zip(seqs, states, preds)
     ]
+    del feats, lasts, states
     rng.shuffle(examples)
     n_eval = max(1, len(examples) // 20)
     # held out: scored on the generated positions only, as the engine drafts
-    evals = [(ids, lab.clone().index_fill_(0, torch.arange(n - 2), -100), f) for ids, lab, f, n in examples[:n_eval]]
-    train = [(ids, lab, f) for ids, lab, f, _ in examples[n_eval:]]
+    evals = [
+        (ids, lab.clone().index_fill_(0, torch.arange(n - 2), -100), f, r) for ids, lab, f, r, n in examples[:n_eval]
+    ]
+    train = [example[:4] for example in examples[n_eval:]]
 
     cfg_head = dict(cfg, intermediate_size=args.intermediate_size)
-    model = Eagle3Head(cfg_head, embed, args.draft_vocab)
+    model: DraftHead
+    if args.method == "eagle3":
+        model = Eagle3Head(cfg_head, embed, args.draft_vocab)
+        with torch.no_grad():
+            model.lm_head.weight.copy_(embed[draft_ids])
+            model.norm.weight.copy_(final_norm)
+    else:
+        model = EagleHead(cfg_head, embed, embed[draft_ids])  # the LM head is tied
     with torch.no_grad():
-        model.lm_head.weight.copy_(embed[draft_ids])
-        model.norm.weight.copy_(final_norm)
         for lin in (model.q_proj, model.k_proj, model.v_proj, model.o_proj, model.gate_proj, model.up_proj, model.down_proj, model.fc):
             nn.init.normal_(lin.weight, std=0.02)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
@@ -397,8 +580,7 @@ def main() -> None:
             lr = args.lr * min(1.0, (done + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * elapsed / budget)))
             for g in opt.param_groups:
                 g["lr"] = lr
-            ids, labels, aux = collate(train, group)
-            losses = step_losses(model, ids, labels, aux, args.ttt_steps)
+            losses = step_losses(model, *collate(train, group), args.ttt_steps)
             loss = sum(w * l for w, (l, _) in zip(weights, losses))
             opt.zero_grad()
             loss.backward()
@@ -416,10 +598,10 @@ def main() -> None:
         sums = [[0.0, 0.0] for _ in range(args.ttt_steps)]
         tokens = 0
         for group in batches(evals, args.batch_tokens, rng):
-            ids, labels, aux = collate(evals, group)
-            n = (labels != -100).sum().item()
+            batch = collate(evals, group)
+            n = (batch[1] != -100).sum().item()
             tokens += n
-            for j, (loss, acc) in enumerate(step_losses(model, ids, labels, aux, args.ttt_steps)):
+            for j, (loss, acc) in enumerate(step_losses(model, *batch, args.ttt_steps)):
                 sums[j][0] += loss.item() * n
                 sums[j][1] += acc.item() * n
     print("held-out loss / top-1 per step: " + ", ".join(
@@ -429,21 +611,22 @@ def main() -> None:
     print(f"wrote {args.out} in {time.perf_counter() - t0:.0f} s total", flush=True)
 
 
-def save_head(out: Path, model: Eagle3Head, cfg: dict, draft_ids: torch.Tensor) -> None:
+def save_head(out: Path, model: DraftHead, cfg: dict, draft_ids: torch.Tensor) -> None:
     """Write ``model`` (float16) and its ``config.json`` (the target's ``cfg`` as the head's)
-    in the EAGLE-3 layout; ``draft_ids`` are the sorted target ids of the draft vocabulary."""
+    in its authors' layout; for EAGLE-3 ``draft_ids`` (the sorted target ids of the draft
+    vocabulary) become ``d2t``/``t2d``."""
     out.mkdir(parents=True, exist_ok=True)
-    t2d = torch.zeros(cfg["vocab_size"], dtype=torch.bool)
-    t2d[draft_ids] = True
-    d2t = draft_ids - torch.arange(len(draft_ids))
-    save_file(model.state_dict_eagle3(d2t, t2d), str(out / "model.safetensors"))
+    tensors = model.checkpoint()
     head_cfg = {k: v for k, v in cfg.items() if k != "torch_dtype"}
-    head_cfg |= {
-        "architectures": ["LlamaForCausalLMEagle3"],
-        "num_hidden_layers": 1,
-        "draft_vocab_size": len(draft_ids),
-        "torch_dtype": "float16",
-    }
+    head_cfg |= {"num_hidden_layers": 1, "torch_dtype": "float16"}
+    if isinstance(model, Eagle3Head):
+        t2d = torch.zeros(cfg["vocab_size"], dtype=torch.bool)
+        t2d[draft_ids] = True
+        tensors |= {"d2t": draft_ids - torch.arange(len(draft_ids)), "t2d": t2d}
+        head_cfg |= {"architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": len(draft_ids)}
+    else:
+        head_cfg |= {"architectures": ["LlamaForCausalLMEagle"]}
+    save_file(tensors, str(out / "model.safetensors"))
     (out / "config.json").write_text(json.dumps(head_cfg, indent=2) + "\n")
 
 

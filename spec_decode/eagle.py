@@ -38,9 +38,13 @@ from tokenmill.spec_decode.model_proposer import ModelProposer, step_indices
 if TYPE_CHECKING:
     from tokenmill.config import EngineConfig
 
-DEFAULT_MODEL_HEAD = Path(__file__).resolve().parent / "heads" / "SmolLM2-135M-Instruct-eagle3"
-"""The EAGLE-3 head trained for the default model (``scripts/train_eagle3.py``): what
-``{"method": "eagle3"}`` runs on the default model when ``model`` is not given."""
+DEFAULT_MODEL_HEADS = {
+    method: Path(__file__).resolve().parent / "heads" / f"SmolLM2-135M-Instruct-{method}"
+    for method in ("eagle", "eagle3")
+}
+"""The EAGLE-1 and EAGLE-3 heads trained for the default model (``scripts/train_eagle.py``):
+what ``{"method": "eagle"}`` / ``{"method": "eagle3"}`` run on the default model when
+``model`` is not given."""
 
 HEAD_ARCHITECTURES = {"eagle": "EagleLlamaForCausalLM", "eagle3": "Eagle3LlamaForCausalLM"}
 
@@ -55,12 +59,12 @@ class EagleProposer(ModelProposer):
         """``speculative_config["model"]``, else the shipped head for the default model."""
         if self.spec.model is not None:
             return self.spec.model
-        if self.method == "eagle3" and self.config.model is None:
-            return str(DEFAULT_MODEL_HEAD)
-        hint = ""
         if self.config.model is None:
-            hint = " (the head shipped for the default model is an EAGLE-3 one: method 'eagle3')"
-        raise ValueError(f"speculative_config['model'] is required for method {self.method!r}{hint}")
+            return str(DEFAULT_MODEL_HEADS[self.method])
+        raise ValueError(
+            f"speculative_config['model'] is required for method {self.method!r} "
+            f"(heads are shipped only for the default model)"
+        )
 
     def load_model(self, target: nn.Module, build_ctx: BuildContext) -> None:
         if self.method == "mtp":

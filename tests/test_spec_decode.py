@@ -219,7 +219,6 @@ DEFAULT_ENGINES = {
     "preempting": {"num_kv_blocks": 16},
 }
 DEFAULT_GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-SHIPPED_EAGLE3 = {"method": "eagle3", "num_speculative_tokens": 3, "disable_by_batch_size": 0}
 
 
 @pytest.fixture(scope="module")
@@ -228,10 +227,11 @@ def default_llm() -> LLM:
     return LLM(max_model_len=256, **DEFAULT_ENGINES["plain"])
 
 
-@pytest.fixture(scope="module")
-def default_eagle3() -> LLM:
-    """The default model with the shipped EAGLE-3 head, plain engine (shared by two tests)."""
-    return LLM(max_model_len=256, speculative_config=SHIPPED_EAGLE3, **DEFAULT_ENGINES["plain"])
+@pytest.fixture(scope="module", params=["eagle", "eagle3"])
+def default_shipped_head(request) -> LLM:
+    """The default model with a shipped head (no ``model`` key), plain engine (shared by two tests)."""
+    spec = {"method": request.param, "num_speculative_tokens": 3, "disable_by_batch_size": 0}
+    return LLM(max_model_len=256, speculative_config=spec, **DEFAULT_ENGINES["plain"])
 
 
 def _generate_counting(llm: LLM, prompts, params: SamplingParams) -> tuple[list[list[int]], dict[str, int]]:
@@ -249,19 +249,16 @@ def default_reference(default_tokenizer, default_llm) -> tuple[list[dict], list[
 
 
 @pytest.mark.parametrize("engine", list(DEFAULT_ENGINES))
-@pytest.mark.parametrize("method", ["ngram", "self-draft", "eagle3"])
-def test_default_model_greedy_equals_non_speculative(default_model_dir, default_reference, method, engine, request):
+@pytest.mark.parametrize("method", ["ngram", "self-draft", "eagle", "eagle3"])
+def test_default_model_greedy_equals_non_speculative(default_model_dir, default_reference, method, engine):
     prompts, reference = default_reference
-    if (method, engine) == ("eagle3", "plain"):
-        llm = request.getfixturevalue("default_eagle3")
-    else:
-        spec = {"method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 4}
-        if method == "self-draft":
-            spec = {"method": "draft_model", "model": default_model_dir}
-        if method == "eagle3":
-            spec = {"method": "eagle3"}  # the shipped head
-        spec |= {"num_speculative_tokens": 3, "disable_by_batch_size": 0}
-        llm = LLM(max_model_len=256, speculative_config=spec, **DEFAULT_ENGINES[engine])
+    spec = {"method": method}  # eagle, eagle3: the shipped heads
+    if method == "ngram":
+        spec |= {"prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    if method == "self-draft":
+        spec = {"method": "draft_model", "model": default_model_dir}
+    spec |= {"num_speculative_tokens": 3, "disable_by_batch_size": 0}
+    llm = LLM(max_model_len=256, speculative_config=spec, **DEFAULT_ENGINES[engine])
     out, stats = _generate_counting(llm, prompts, DEFAULT_GREEDY)
     assert out == reference
     assert stats["spec_num_accepted_tokens"] > 0
@@ -302,23 +299,23 @@ def test_structured_output_requests_are_not_drafted_for(default_tokenizer):
     assert llm.get_stats()["spec_num_drafts"] > 0
 
 
-ACCEPTANCE_FLOOR = 0.1
-"""Below what the shipped head reaches on these prompts (its README.md); a head fed the wrong states gets ~0."""
+ACCEPTANCE_FLOOR = 0.2
+"""Below what the shipped heads reach on these prompts (their README.md); a head fed the wrong states gets ~0."""
 
 TOPICS = ["volcanoes", "honeybees", "the Moon", "chess", "bread", "rivers", "owls", "trains"]
 ASKS = ["Explain {} to a child.", "Write a short poem about {}.", "List three facts about {}.",
         "Why do people like {}?"]
 
 
-def test_shipped_eagle3_head_on_32_chat_prompts(default_tokenizer, default_llm, default_eagle3):
-    """The head shipped for the default model: 32 chat prompts x 64 tokens equal the
-    non-speculative run, and it drafts well enough to pay (tokens/s in benchmarks/)."""
+def test_shipped_heads_on_32_chat_prompts(default_tokenizer, default_llm, default_shipped_head):
+    """The heads shipped for the default model: 32 chat prompts x 64 tokens equal the
+    non-speculative run, and they draft well enough to pay (tokens/s in benchmarks/)."""
     prompts = [
         default_tokenizer.apply_chat_template(
             [{"role": "user", "content": ask.format(topic)}], tokenize=False, add_generation_prompt=True)
         for ask in ASKS for topic in TOPICS
     ]
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
-    out, stats = _generate_counting(default_eagle3, prompts, params)
+    out, stats = _generate_counting(default_shipped_head, prompts, params)
     assert out == generate(default_llm, prompts, params)
     assert stats["spec_num_accepted_tokens"] / stats["spec_num_draft_tokens"] > ACCEPTANCE_FLOOR

@@ -120,18 +120,19 @@ def test_refused_configs_name_the_problem(models):
 
 
 def _training_script():
-    """``scripts/train_eagle3.py``, whose whole-sequence head trained the shipped one."""
-    path = Path(__file__).resolve().parent.parent / "scripts" / "train_eagle3.py"
-    spec = importlib.util.spec_from_file_location("train_eagle3", path)
+    """``scripts/train_eagle.py``, whose whole-sequence heads trained the shipped ones."""
+    path = Path(__file__).resolve().parent.parent / "scripts" / "train_eagle.py"
+    spec = importlib.util.spec_from_file_location("train_eagle", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-def test_eagle3_drafts_are_the_training_heads(models, tmp_path, monkeypatch):
-    """The engine's EAGLE-3 head, run step by step over the paged cache, drafts what the
-    training script's head (whole sequence, the training-time-test attention) predicts, from
-    the file that script writes."""
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_drafts_are_the_training_heads(models, tmp_path, monkeypatch, method):
+    """The engine's EAGLE-1 and EAGLE-3 heads, run step by step over the paged cache, draft
+    what the training script's heads (whole sequence, the training-time-test attention)
+    predict, from the files that script writes."""
     import transformers
 
     from tokenmill.spec_decode.eagle import EagleProposer
@@ -139,13 +140,18 @@ def test_eagle3_drafts_are_the_training_heads(models, tmp_path, monkeypatch):
     train = _training_script()
     cfg = json.loads((Path(models["target"]) / "config.json").read_text())
     hf = transformers.LlamaForCausalLM.from_pretrained(models["target"], dtype=torch.float32).eval()
+    embed = hf.model.embed_tokens.weight.detach()
     torch.manual_seed(0)
-    head = train.Eagle3Head(cfg, hf.model.embed_tokens.weight.detach(), 96)
+    if method == "eagle3":
+        draft_ids = torch.randperm(cfg["vocab_size"])[:96].sort().values
+        head = train.Eagle3Head(cfg, embed, 96)
+    else:  # the engine's EAGLE-1 head takes logits over the whole vocabulary
+        draft_ids = torch.arange(cfg["vocab_size"])
+        head = train.EagleHead(cfg, embed, hf.lm_head.weight.detach())
     with torch.no_grad():
         for name, param in head.named_parameters():
             param.copy_((1 + torch.randn_like(param) / 10) if "norm" in name else torch.randn_like(param) * 0.3)
             param.copy_(param.half().float())  # as saved
-    draft_ids = torch.randperm(cfg["vocab_size"])[:96].sort().values
     train.save_head(tmp_path / "head", head, cfg, draft_ids)
 
     proposals = []
@@ -158,20 +164,22 @@ def test_eagle3_drafts_are_the_training_heads(models, tmp_path, monkeypatch):
         return proposal
 
     monkeypatch.setattr(EagleProposer, "propose", spy)
-    spec = {"method": "eagle3", "model": str(tmp_path / "head"), "num_speculative_tokens": 3}
+    spec = {"method": method, "model": str(tmp_path / "head"), "num_speculative_tokens": 3}
     llm = LLM(model=models["target"], num_kv_blocks=64, max_model_len=256, speculative_config=spec)
     prompt = [random.Random(1).randrange(256) for _ in range(21)]
     out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
     ids = prompt + out[0].outputs[0].token_ids[:1]
 
-    layers = (2, 3, 3)  # 2, n // 2, n - 3 of the 6-layer target
     with torch.no_grad():
         states = hf.model(input_ids=torch.tensor([prompt]), output_hidden_states=True).hidden_states
-        aux = torch.cat([states[i][0] for i in layers], dim=-1)
+        if method == "eagle3":
+            feats = torch.cat([states[i][0] for i in (2, 3, 3)], dim=-1)  # 2, n // 2, n - 3 of 6 layers
+        else:
+            feats = states[-1][0]  # the final, normalised state
         next_ids, expected = torch.tensor(ids[1:]), []
         for j in range(3):
-            logits = head.logits(head(next_ids[None], aux[None], steps=j + 1)[j][0, len(prompt) - 1 + j])
+            logits = head.logits(head(next_ids[None], feats[None], steps=j + 1)[j][0, len(prompt) - 1 + j])
             expected.append(int(draft_ids[logits.argmax()]))
             next_ids = torch.cat((next_ids, torch.tensor(expected[-1:])))
-            aux = torch.cat((aux, torch.zeros(1, aux.shape[1])))  # never read: only step 0 reads it
+            feats = torch.cat((feats, torch.zeros(1, feats.shape[1])))  # never read: only step 0 reads it
     assert proposals[0][0].tolist() == expected
