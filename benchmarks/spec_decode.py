@@ -46,8 +46,11 @@ PASSAGES = [
 
 CONFIGS = {
     "none": None,
-    "ngram-k4": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
-                  "prompt_lookup_max": 4, "disable_by_batch_size": 0},
+    **{
+        f"ngram-k{k}": {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2,
+                          "prompt_lookup_max": 4, "disable_by_batch_size": 0}
+        for k in (3, 4)
+    },
     "ngram-k4-default-cutoff": {"method": "ngram", "num_speculative_tokens": 4,
                                    "prompt_lookup_min": 2, "prompt_lookup_max": 4},
     **{
