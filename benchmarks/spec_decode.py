@@ -5,10 +5,10 @@ Workloads:
   proposer's case), ``--output-len`` tokens each.
 - ``chat``: single stream; 256-token chat prompts asking one of four questions about passages
   (not a copy task; the EAGLE heads' case; the passages are not in their training data).
-
-Single-stream runs generate for ``--single-stream-prompts`` prompts one after another.
 - ``concurrent``: ``--concurrency`` requests at once of the copy prompts.
 - ``chat-concurrent``: ``--concurrency`` requests at once of the chat prompts.
+
+Single-stream runs generate for ``--single-stream-prompts`` prompts one after another.
 
 Each configuration gets its own engine, a warm-up request, then the timed requests; engines
 alternate per repeat. Reports output tokens/s, the speed-up over no speculation and the
