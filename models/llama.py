@@ -16,7 +16,7 @@ from torch import nn
 from tokenmill.distributed.parallel_state import get_tensor_model_parallel_world_size
 from tokenmill.layers.activation import SiluAndMul
 from tokenmill.layers.attention import Attention
-from tokenmill.layers.layernorm import RMSNorm
+from tokenmill.layers.layernorm import ResidualSum, RMSNorm
 from tokenmill.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
@@ -208,6 +208,7 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.aux_hidden_state_layers: tuple[int, ...] = ()
+        self.residual_sum = ResidualSum()
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor
@@ -216,15 +217,16 @@ class LlamaModel(nn.Module):
         residual stream entering each of those layers, concatenated ([T, n·hidden])."""
         hidden_states = self.embed_tokens(input_ids)
         residual = None
-        aux = {}
+        aux_layers = self.aux_hidden_state_layers
+        size = hidden_states.shape[-1]
+        aux = hidden_states.new_empty(hidden_states.shape[0], len(aux_layers) * size) if aux_layers else None
         for idx, layer in enumerate(self.layers):
-            if idx in self.aux_hidden_state_layers:
-                aux[idx] = hidden_states if residual is None else hidden_states + residual
+            for slot, aux_idx in enumerate(aux_layers):
+                if aux_idx == idx:
+                    self.residual_sum(hidden_states, residual, aux[:, slot * size : (slot + 1) * size])
             hidden_states, residual = layer(positions, hidden_states, residual)
         hidden_states, _ = self.norm(hidden_states, residual)
-        if aux:
-            return hidden_states, torch.cat([aux[i] for i in self.aux_hidden_state_layers], dim=-1)
-        return hidden_states
+        return hidden_states if aux is None else (hidden_states, aux)
 
 
 class CausalLM(nn.Module):

@@ -58,21 +58,16 @@ class Eagle3LlamaForCausalLM(EagleHead):
     """EAGLE-3 head; ``combine_hidden_states`` fuses the target's three layers' states."""
 
     def __init__(self, config: Any, prefix: str = "") -> None:
-        super().__init__()
         if getattr(config, "norm_before_residual", False):
             raise ValueError("EAGLE-3 heads with norm_before_residual are not supported")
-        self.config = config
+        super().__init__(config)
         h = config.hidden_size
-        self.draft_vocab_size = getattr(config, "draft_vocab_size", None) or config.vocab_size
         target_hidden = getattr(config, "target_hidden_size", None) or h
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, h, prefix="embed_tokens")
         self.fc = ReplicatedLinear(3 * target_hidden, h, bias=False, prefix="fc")
         self.layers = nn.ModuleList([Eagle3DecoderLayer(config, prefix="layers.0", layer_idx=0)])
         self.norm = RMSNorm(h, config.rms_norm_eps)
         self.lm_head = ParallelLMHead(self.draft_vocab_size, h, prefix="lm_head")
-        self.register_buffer(
-            "draft_id_to_target_id", torch.zeros(self.draft_vocab_size, dtype=torch.int64)
-        )
 
     def combine_hidden_states(self, aux_hidden_states: torch.Tensor) -> torch.Tensor:
         return self.fc(aux_hidden_states)
@@ -83,28 +78,5 @@ class Eagle3LlamaForCausalLM(EagleHead):
         hidden, residual = self.layers[0](positions, self.embed_tokens(input_ids), hidden_states)
         return self.norm(hidden, residual)
 
-    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        """Target vocabulary ids of draft vocabulary ids."""
-        return draft_ids + self.draft_id_to_target_id[draft_ids]
-
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        has_d2t = False
-
-        def renamed() -> Iterable[tuple[str, torch.Tensor]]:
-            nonlocal has_d2t
-            for name, tensor in weights:
-                if name == "t2d":
-                    continue
-                if name == "d2t":
-                    self.draft_id_to_target_id.copy_(tensor.to(torch.int64))
-                    has_d2t = True
-                    continue
-                yield name.replace("midlayer.", "layers.0.", 1), tensor
-
-        loaded = self._load(renamed())
-        if not has_d2t and self.draft_vocab_size != self.config.vocab_size:
-            raise ValueError(
-                f"EAGLE-3 head with draft_vocab_size {self.draft_vocab_size} < vocab_size "
-                f"{self.config.vocab_size} lacks its d2t mapping"
-            )
-        return loaded
+        return self._load((name.replace("midlayer.", "layers.0.", 1), tensor) for name, tensor in weights)

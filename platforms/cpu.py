@@ -17,7 +17,7 @@ from tokenmill.ops import cpu as cpu_ops
 if TYPE_CHECKING:
     from tokenmill.config import EngineConfig
     from tokenmill.layers.activation import SiluAndMul
-    from tokenmill.layers.layernorm import RMSNorm
+    from tokenmill.layers.layernorm import ResidualSum, RMSNorm
     from tokenmill.layers.rotary_embedding import RotaryEmbedding
     from tokenmill.layers.vocab_embedding import VocabParallelEmbedding
     from tokenmill.worker.cuda_graph import DecodeGraphRunner
@@ -41,6 +41,21 @@ def rms_norm(
         if x.is_contiguous() and residual.is_contiguous() and x.shape == residual.shape:
             return cpu_ops.fused_add_rms_norm(x, residual, layer.weight, layer.variance_epsilon)
     return layer.forward_native(x, residual)
+
+
+def residual_sum(
+    layer: ResidualSum, x: torch.Tensor, residual: torch.Tensor | None, out: torch.Tensor
+) -> None:
+    if (
+        cpu_ops.supports(x, residual, out)
+        and x.is_contiguous()
+        and (residual is None or (residual.is_contiguous() and residual.shape == x.shape))
+        and out.dim() == 2
+        and out.shape == x.shape
+    ):
+        cpu_ops.residual_sum(out, x, residual)
+    else:
+        layer.forward_native(x, residual, out)
 
 
 def silu_and_mul(layer: SiluAndMul, x: torch.Tensor) -> torch.Tensor:
@@ -82,6 +97,7 @@ class CpuPlatform(Platform):
     detection_priority = 0
     custom_ops = {
         "rms_norm": rms_norm,
+        "residual_sum": residual_sum,
         "silu_and_mul": silu_and_mul,
         "rotary_embedding": rotary_embedding,
         "embedding": embedding,

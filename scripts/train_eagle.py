@@ -11,23 +11,24 @@ self-distillation: the target's own greedy continuations of locally written prom
    memory, the residual stream entering layers 2, 15 and 27 (what the engine feeds an EAGLE-3
    head), the final normalised state (what it feeds an EAGLE-1 head) and the target's argmax
    at every position.
-4. The ``--draft-vocab`` tokens the target predicts most often are an EAGLE-3 head's draft
-   vocabulary (``d2t`` maps them back) and the vocabulary an EAGLE-1 head's cross-entropy is
-   taken over (at inference it takes logits over all of the target's).
+4. The ``--draft-vocab`` tokens the target predicts most often are the head's draft vocabulary
+   (``d2t`` maps them back): an EAGLE-3 head's LM head has those rows; an EAGLE-1 head is
+   trained through the target's LM head rows of them, and ships those rows as its own.
 5. ``--method eagle3``: ``fc`` over the three layers' states, one Llama decoder layer over
    ``[embedding || hidden]``, norm, LM head over the draft vocabulary (started from the
    target's tied embedding rows and final norm). ``--method eagle``: ``fc`` over
    ``[embedding || final state]``, one decoder layer whose output is the predicted next final
-   state, the target's LM head. Trained at every position, prompt ones included, with
-   cross-entropy on the target's argmax one position on (what greedy verification compares a
-   draft with; EAGLE-1 adds the distance to the target's next state), unrolled over
-   ``--ttt-steps`` draft steps as at inference: step j feeds back the head's own output of
-   step j - 1 and attends to the earlier positions' step-0 entries plus its own chain
-   (EAGLE-3's "training-time test"). The learning rate follows a cosine over
+   state, the target's LM head rows of the draft vocabulary. Trained at every position, prompt
+   ones included, with cross-entropy on the target's argmax one position on (what greedy
+   verification compares a draft with; EAGLE-1 adds the distance to the target's next state),
+   unrolled over ``--ttt-steps`` draft steps as at inference: step j feeds back the head's own
+   output of step j - 1 and attends to the earlier positions' step-0 entries plus its own
+   chain (EAGLE-3's "training-time test"). The learning rate follows a cosine over
    ``--train-minutes``, and the head is saved every ``--save-minutes`` (the data of steps 1-3
    once, with ``--data``).
 6. The head is written as float16 safetensors in its authors' layout (EAGLE-3: ``fc``,
-   ``midlayer.*``, ``norm``, ``lm_head``, ``d2t``, ``t2d``; EAGLE-1: ``fc``, ``layers.0.*``)
+   ``midlayer.*``, ``norm``, ``lm_head``, ``d2t``, ``t2d``; EAGLE-1: ``fc``, ``layers.0.*``,
+   and ``lm_head``, ``d2t``, ``t2d`` as EAGLE-3's)
    with its ``config.json``; the held-out top-1 (generated positions of held-out prompts) is
    printed per draft step.
 
@@ -500,7 +501,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=2560, help="round two's prompts")
     parser.add_argument("--gen-tokens", type=int, default=128)
     parser.add_argument("--draft-vocab", type=int, default=4096,
-                        help="eagle3: the draft vocabulary; eagle: the tokens cross-entropy is over")
+                        help="the draft vocabulary: the tokens the head's logits are over")
     parser.add_argument("--intermediate-size", type=int, default=768)
     parser.add_argument("--ttt-steps", type=int, default=3)
     parser.add_argument("--train-minutes", type=float, default=30)
@@ -613,22 +614,24 @@ def main() -> None:
 
 def save_head(out: Path, model: DraftHead, cfg: dict, draft_ids: torch.Tensor) -> None:
     """Write ``model`` (float16) and its ``config.json`` (the target's ``cfg`` as the head's)
-    in its authors' layout; for EAGLE-3 ``draft_ids`` (the sorted target ids of the draft
-    vocabulary) become ``d2t``/``t2d``."""
+    in its authors' layout. ``draft_ids``, the sorted target ids of the draft vocabulary (for
+    EAGLE-1 the training vocabulary, whose rows of the target's LM head it then carries as its
+    own), become ``d2t``/``t2d`` when they are fewer than the target's."""
     out.mkdir(parents=True, exist_ok=True)
     tensors = model.checkpoint()
     head_cfg = {k: v for k, v in cfg.items() if k != "torch_dtype"}
     head_cfg |= {"num_hidden_layers": 1, "torch_dtype": "float16"}
-    if isinstance(model, Eagle3Head):
+    eagle3 = isinstance(model, Eagle3Head)
+    head_cfg["architectures"] = ["LlamaForCausalLMEagle3" if eagle3 else "LlamaForCausalLMEagle"]
+    if len(draft_ids) < cfg["vocab_size"]:
         t2d = torch.zeros(cfg["vocab_size"], dtype=torch.bool)
         t2d[draft_ids] = True
         tensors |= {"d2t": draft_ids - torch.arange(len(draft_ids)), "t2d": t2d}
-        head_cfg |= {"architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": len(draft_ids)}
-    else:
-        head_cfg |= {"architectures": ["LlamaForCausalLMEagle"]}
+        if not eagle3:
+            tensors["lm_head.weight"] = model.lm_rows.half().contiguous()
+        head_cfg["draft_vocab_size"] = len(draft_ids)
     save_file(tensors, str(out / "model.safetensors"))
     (out / "config.json").write_text(json.dumps(head_cfg, indent=2) + "\n")
-
 
 if __name__ == "__main__":
     main()

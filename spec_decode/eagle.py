@@ -106,10 +106,7 @@ class EagleProposer(ModelProposer):
         assert self.model is not None
         if self.method == "mtp":
             return self.model.compute_logits(hidden, index).argmax(dim=-1)
-        tokens = self.model.compute_logits(hidden).argmax(dim=-1)
-        if self.method == "eagle3":
-            tokens = self.model.draft_to_target(tokens)
-        return tokens
+        return self.model.draft_to_target(self.model.compute_logits(hidden).argmax(dim=-1))
 
     def _first_pass(self, batch: ProposalBatch) -> tuple[torch.Tensor, Any, np.ndarray]:
         step, ib = batch.step, batch.input_batch

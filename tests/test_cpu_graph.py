@@ -47,8 +47,8 @@ def test_replays_give_the_eager_tokens(checkpoints, arch, quantization, monkeypa
     model = checkpoints[arch]
     llm = LLM(model=model, quantization=quantization, **ENGINE)
     runner = graph_runner(llm)
-    assert isinstance(runner, CpuGraphRunner) and sorted(runner.graphs) == [1, 2, 4, 8]
-    assert any(m.startswith("CPU decode graphs for 1, 2, 4, 8 requests") for _, _, m in tokenmill_log)
+    assert isinstance(runner, CpuGraphRunner) and sorted(runner.graphs) == list(range(1, 9))
+    assert any(m.startswith("CPU decode graphs for 1, 2, 3, 4, 5, 6, 7, 8 requests") for _, _, m in tokenmill_log)
     size_of = {id(graph): size for size, graph in runner.graphs.items()}
     replayed: list[int] = []
     replay = CpuGraphRunner.replay
@@ -59,8 +59,8 @@ def test_replays_give_the_eager_tokens(checkpoints, arch, quantization, monkeypa
     assert graph_runner(eager) is None
     for n in (1, 3, 8, 10):
         assert generate(llm, n) == generate(eager, n), f"{n} requests"
-    # 3 requests replay the graph of 4 (one padding row); 10 run eagerly.
-    assert {1, 4, 8} <= set(replayed)
+    # Decode steps of 1, 3 and 8 requests replay their own graphs; 10 requests run eagerly.
+    assert {1, 3, 8} <= set(replayed)
 
 
 def test_float32_decode_is_captured_while_it_streams_the_weights(tiny):
@@ -70,7 +70,7 @@ def test_float32_decode_is_captured_while_it_streams_the_weights(tiny):
 
     llm = LLM(model=tiny, **ENGINE)
     runner = graph_runner(llm)
-    assert runner is not None and max(runner.graphs) == max(s for s in (1, 2, 4, 8) if s <= STREAM_MAX_ROWS)
+    assert runner is not None and max(runner.graphs) == STREAM_MAX_ROWS
     eager = LLM(model=tiny, enforce_eager=True, **ENGINE)
     for n in (1, 3):
         assert generate(llm, n) == generate(eager, n)
@@ -127,3 +127,52 @@ def test_calculated_kv_scales_come_from_a_real_step(tiny, tokenmill_log):
     assert all(layer.impl.k_scale == 1.0 for layer in runner.attention_layers().values())
     generate(llm, 1)
     assert all(layer.impl.k_scale != 1.0 for layer in runner.attention_layers().values())
+
+
+@pytest.fixture
+def replayed_steps(monkeypatch) -> list[tuple[int, int]]:
+    """(tokens, longest query) of each step a graph ran."""
+    steps: list[tuple[int, int]] = []
+    run = CpuGraphRunner.run
+
+    def spy(self, input_ids, positions, common):
+        out = run(self, input_ids, positions, common)
+        if out is not None:
+            steps.append((common.num_actual_tokens, common.max_query_len))
+        return out
+
+    monkeypatch.setattr(CpuGraphRunner, "run", spy)
+    return steps
+
+
+def test_verification_steps_replay_a_graph_per_token(tiny, replayed_steps):
+    """A verification step's k + 1 tokens of one request run as k + 1 decode rows of a graph,
+    and the tokens are the eager engine's (which equal the non-speculative run's)."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "disable_by_batch_size": 0}
+    llm = LLM(model=tiny, quantization="int8", speculative_config=spec, **ENGINE)
+    eager = LLM(model=tiny, quantization="int8", enforce_eager=True, **ENGINE)
+    for n in (1, 2):
+        assert generate(llm, n) == generate(eager, n)
+    assert llm.get_stats()["spec_num_drafts"] > 0
+    assert any(query > 1 for _, query in replayed_steps)
+
+
+def test_an_eagle3_target_is_captured_with_its_residual_streams(tmp_path, replayed_steps):
+    """A target that also returns the residual stream at three layers for an EAGLE-3 head: the
+    concatenated states are written by a kernel into the graph's memory, so steps replay."""
+    from eagle_heads import write_eagle_head
+
+    target = make_tiny_checkpoint(tmp_path / "target", num_hidden_layers=6)
+    spec = {
+        "method": "eagle3",
+        "num_speculative_tokens": 2,
+        "model": write_eagle_head(tmp_path / "eagle3", target, draft_vocab_size=96),
+        "disable_by_batch_size": 0,
+    }
+    llm = LLM(model=target, quantization="int8", speculative_config=spec, **ENGINE)
+    runner = graph_runner(llm)
+    assert runner is not None and isinstance(runner.graphs[1].output, tuple)
+    eager = LLM(model=target, quantization="int8", enforce_eager=True, **ENGINE)
+    for n in (1, 2):
+        assert generate(llm, n) == generate(eager, n)
+    assert any(query == 3 for _, query in replayed_steps)

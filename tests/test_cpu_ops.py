@@ -11,7 +11,7 @@ import torch
 
 from tokenmill.layers.activation import SiluAndMul
 from tokenmill.layers.build_context import BuildContext, model_build_context
-from tokenmill.layers.layernorm import RMSNorm
+from tokenmill.layers.layernorm import ResidualSum, RMSNorm
 from tokenmill.layers.rotary_embedding import RotaryEmbedding
 from tokenmill.layers.vocab_embedding import VocabParallelEmbedding
 from tokenmill.attention_backends.torch_ref import TorchRefBackend
@@ -30,7 +30,9 @@ def cpu_platform_ops():
 @pytest.fixture
 def kernel_calls(monkeypatch) -> dict[str, int]:
     """Counts calls of each layer kernel of ``cpu_ops``."""
-    calls = dict.fromkeys(["rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding", "embedding"], 0)
+    calls = dict.fromkeys(
+        ["rms_norm", "fused_add_rms_norm", "residual_sum", "silu_and_mul", "rotary_embedding", "embedding"], 0
+    )
     for name in calls:
         kernel = getattr(cpu_ops, name)
 
@@ -67,6 +69,18 @@ def test_fused_add_rms_norm_writes_in_place(rows, n):
     torch.testing.assert_close(out, want_out, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("rows,n", [(1, 8), (5, 37), (4, 576)])
+@pytest.mark.parametrize("first_layer", [False, True])
+def test_residual_sum_into_a_column_slice(rows, n, first_layer):
+    """The residual stream lands in its columns of a wider buffer; the rest stays untouched."""
+    x, residual = torch.randn(rows, n), None if first_layer else torch.randn(rows, n)
+    buffer = torch.full((rows, 3 * n), 7.0)
+    ResidualSum()(x, residual, buffer[:, n : 2 * n])
+    want = x if residual is None else x + residual
+    torch.testing.assert_close(buffer[:, n : 2 * n], want, atol=0, rtol=0)
+    assert (buffer[:, :n] == 7).all() and (buffer[:, 2 * n :] == 7).all()
+
+
 @pytest.mark.parametrize("rows,d", [(1, 8), (3, 13), (64, 1536), (100, 1536)])
 def test_silu_and_mul(rows, d):
     x = torch.randn(rows, 2 * d) * 4
@@ -99,11 +113,18 @@ def test_disabled_kernels_fall_back(monkeypatch):
 
 def test_op_table_calls_the_kernels(kernel_calls):
     assert set(CpuPlatform.get_ops()) == {
-        "rms_norm", "silu_and_mul", "rotary_embedding", "embedding", "unquantized_linear", "unquantized_fused_moe"
+        "rms_norm",
+        "residual_sum",
+        "silu_and_mul",
+        "rotary_embedding",
+        "embedding",
+        "unquantized_linear",
+        "unquantized_fused_moe",
     }
     norm, x = make_norm(16), torch.randn(4, 16)
     torch.testing.assert_close(norm(x), norm.forward_native(x))
     norm(x.clone(), x.clone())
+    ResidualSum()(x, x, torch.empty(4, 16))
     SiluAndMul()(torch.randn(4, 16))
     rope = RotaryEmbedding(8, 8, 64, 10000.0)
     rope(torch.arange(4), torch.randn(4, 16), torch.randn(4, 8))

@@ -142,12 +142,11 @@ def test_drafts_are_the_training_heads(models, tmp_path, monkeypatch, method):
     hf = transformers.LlamaForCausalLM.from_pretrained(models["target"], dtype=torch.float32).eval()
     embed = hf.model.embed_tokens.weight.detach()
     torch.manual_seed(0)
+    draft_ids = torch.randperm(cfg["vocab_size"])[:96].sort().values
     if method == "eagle3":
-        draft_ids = torch.randperm(cfg["vocab_size"])[:96].sort().values
         head = train.Eagle3Head(cfg, embed, 96)
-    else:  # the engine's EAGLE-1 head takes logits over the whole vocabulary
-        draft_ids = torch.arange(cfg["vocab_size"])
-        head = train.EagleHead(cfg, embed, hf.lm_head.weight.detach())
+    else:  # the target's LM head rows of the draft vocabulary, shipped as the head's (float16)
+        head = train.EagleHead(cfg, embed, hf.lm_head.weight.detach()[draft_ids].half().float())
     with torch.no_grad():
         for name, param in head.named_parameters():
             param.copy_((1 + torch.randn_like(param) / 10) if "norm" in name else torch.randn_like(param) * 0.3)

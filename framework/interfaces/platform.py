@@ -16,7 +16,13 @@ if TYPE_CHECKING:
 
 
 OP_NAMES = (
-    "rms_norm", "silu_and_mul", "rotary_embedding", "embedding", "unquantized_linear", "unquantized_fused_moe"
+    "rms_norm",
+    "residual_sum",
+    "silu_and_mul",
+    "rotary_embedding",
+    "embedding",
+    "unquantized_linear",
+    "unquantized_fused_moe",
 )
 """The ops a platform may replace: one per ``CustomOp`` layer (``tokenmill.layers``);
 ``unquantized_linear``, the :class:`~tokenmill.interfaces.quantization.LinearMethod` class

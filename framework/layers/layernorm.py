@@ -44,3 +44,17 @@ class RMSNorm(CustomOp):
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.variance_epsilon}"
+
+
+class ResidualSum(CustomOp):
+    """The residual stream between two decoder layers: ``forward(x, residual, out)`` writes
+    ``x + residual`` (``x`` before the first layer) into ``out``, a [T, hidden] view that may
+    be a column slice of a wider buffer."""
+
+    op_name = "residual_sum"
+
+    def forward_native(self, x: torch.Tensor, residual: torch.Tensor | None, out: torch.Tensor) -> None:
+        if residual is None:
+            out.copy_(x)
+        else:
+            torch.add(x, residual, out=out)

@@ -50,6 +50,7 @@ SIGNATURES = {
     "embedding": [_PTR, _PTR, _PTR, _I64, _I64],
     "rms_norm": [_PTR, _PTR, _PTR, _I64, _I64, _F32, _INT],
     "fused_add_rms_norm": [_PTR, _PTR, _PTR, _I64, _I64, _F32, _INT],
+    "residual_sum": [_PTR, _I64, _PTR, _PTR, _I64, _I64],
     "silu_and_mul": [_PTR, _PTR, _I64, _I64, _INT],
     "rotary_embedding": [_PTR, _PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _INT, _INT],
     "gguf_matmul": [_INT, _PTR, _I64, _PTR, _I64, _I64, _PTR, _I64, _INT],
@@ -258,6 +259,15 @@ def fused_add_rms_norm(
         x.data_ptr(), residual.data_ptr(), weight.data_ptr(), x.numel() // n, n, eps, torch.get_num_threads()
     )
     return x, residual
+
+
+def residual_sum(out: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None) -> None:
+    """``out = x + residual`` (``x`` when ``residual`` is None) for contiguous [T, N] ``x`` and
+    ``residual``; ``out`` [T, N] needs only its last dimension contiguous."""
+    n = x.shape[-1]
+    load().residual_sum(
+        out.data_ptr(), out.stride(0), x.data_ptr(), 0 if residual is None else residual.data_ptr(), x.numel() // n, n
+    )
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -2,9 +2,10 @@
 
 A small batch's decode step on the CPU is mostly Python: each layer walks a dozen modules to
 issue a handful of C kernel calls (``tokenmill.ops.cpu``), most only microseconds of work. Like a
-CUDA graph, a CPU graph records those calls once per batch size over the static input and
-metadata buffers of :class:`~tokenmill.worker.cuda_graph.DecodeGraphRunner`, and a decode step
-replays them with no module, dispatcher or allocator between them.
+CUDA graph, a CPU graph records those calls once per number of rows over the static input and
+metadata buffers of :class:`~tokenmill.worker.cuda_graph.DecodeGraphRunner`, and a step of that
+many tokens (decode rows, or a speculative verification's k + 1 tokens per request) replays them
+with no module, dispatcher or allocator between them.
 
 A capture is kept only when the forward is nothing but C kernel calls on memory that stays put:
 it runs under a torch dispatch mode that refuses every torch op other than allocating and
@@ -12,9 +13,9 @@ viewing (a oneDNN product, an ``index_copy_``, an add); the tensors it allocates
 graph, so the recorded pointers stay valid; and a replay must reproduce the eager forward bit for
 bit. A size that fails any of these ends the capture (larger ones would fail alike) and runs
 eagerly. In practice: the quantization methods with C kernels (gguf, int8, int4, fp8) are
-captured at every decode size; float32 weights up to 4 requests, where their products are C
-calls (``platforms/cpu_linear.py``, ``STREAM_MAX_ROWS``), not oneDNN. Graphs stop at
-``MAX_SIZE`` requests: beyond that the Python cost is shared by enough rows to matter little.
+captured at every size; float32 weights up to 4 rows, where their products are C calls
+(``platforms/cpu_linear.py``, ``STREAM_MAX_ROWS``), not oneDNN. Graphs stop at ``MAX_SIZE``
+rows: beyond that the Python cost is shared by enough rows to matter little.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tokenmill.forward_context import set_forward_context
 from tokenmill.ops import cpu as cpu_ops
-from tokenmill.worker.cuda_graph import DecodeGraphRunner, capture_sizes
+from tokenmill.worker.cuda_graph import DecodeGraphRunner
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +91,10 @@ class _Recorder(TorchDispatchMode):
         super().__exit__(*exc)
 
 
+def _tensors(output: torch.Tensor | tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    return output if isinstance(output, tuple) else (output,)
+
+
 def _same_storage(a: Any, b: Any) -> bool:
     return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and (
         a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
@@ -101,15 +106,16 @@ class CpuGraph:
     calls: list[tuple[Any, tuple[Any, ...]]]
     kept: list[Any]
     metadata: Any
-    output: torch.Tensor
+    output: torch.Tensor | tuple[torch.Tensor, ...]
 
 
 class CpuGraphRunner(DecodeGraphRunner):
     """Recorded C kernel calls, one list per size, smallest size first."""
 
     @staticmethod
-    def sizes_for(max_num_seqs: int) -> list[int]:
-        return [s for s in capture_sizes(max_num_seqs) if s <= MAX_SIZE]
+    def sizes_for(max_rows: int) -> list[int]:
+        """Every size up to ``MAX_SIZE``: a padding row costs a CPU step as much as a real one."""
+        return list(range(1, min(max_rows, MAX_SIZE) + 1))
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -135,15 +141,16 @@ class CpuGraphRunner(DecodeGraphRunner):
         metadata = self.builder.build_for_cudagraph(common)
         ids, positions = self.input_ids[:size], self.positions[:size]
         with set_forward_context(metadata):
-            expected = self.model(ids, positions).clone()
+            expected = [t.clone() for t in _tensors(self.model(ids, positions))]
             with _Recorder() as recorder:
                 output = self.model(ids, positions)
         if recorder.refused:
             raise NotCapturable(f"the forward runs torch op(s) {', '.join(sorted(recorder.refused))}")
         graph = CpuGraph(recorder.calls, recorder.kept, metadata, output)
-        output.fill_(float("nan"))
+        for t in _tensors(output):
+            t.fill_(float("nan"))
         self.replay(graph)
-        if not torch.equal(output, expected):
+        if not all(map(torch.equal, _tensors(output), expected)):
             raise NotCapturable("a replay differs from the eager forward")
         return graph
 

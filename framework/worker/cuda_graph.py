@@ -4,7 +4,13 @@ At start-up the whole model forward is captured once per batch size in ``capture
 static input and attention-metadata buffers. A decode-only step (every request schedules one
 token) of ``n`` requests is copied into those buffers, padded to the nearest captured size
 (padding requests have no context and slot ``-1``, so they write nothing and read nothing), and
-the graph is replayed. Prefill and mixed steps, and batches above the largest size, run eagerly.
+the graph is replayed.
+
+A step of ``n`` tokens where some request schedules several (a speculative verification, a
+short prefill chunk) replays the graph of ``n`` rows too: each token becomes a decode row of its
+own, with its request's block table and the context up to itself. Every row writes its key and
+value before any row attends, so a token sees the earlier tokens of its step as it does in the
+eager forward. Steps above the largest size run eagerly.
 
 A backend takes part when its metadata builder implements :class:`GraphCapturableBuilder`.
 :class:`DecodeGraphRunner` holds what every kind of graph shares (static buffers, padding, the
@@ -105,15 +111,18 @@ class DecodeGraphRunner:
             return None
         if not isinstance(builder, GraphCapturableBuilder):
             return None
-        sizes = runner_cls.sizes_for(config.max_num_seqs)
+        rows = config.max_num_seqs
+        if config.speculative is not None:
+            rows *= 1 + config.speculative.num_speculative_tokens
+        sizes = runner_cls.sizes_for(rows)
         runner = runner_cls(model, builder, sizes, max_blocks_per_req, config.max_model_len, device)
         runner.capture()
         return runner if runner.graphs else None
 
     @staticmethod
-    def sizes_for(max_num_seqs: int) -> list[int]:
-        """The batch sizes to capture."""
-        return capture_sizes(max_num_seqs)
+    def sizes_for(max_rows: int) -> list[int]:
+        """The batch sizes to capture, for steps of up to ``max_rows`` decode rows."""
+        return capture_sizes(max_rows)
 
     def capture(self) -> None:
         """Capture every size (``self.graphs``). The dummy batch gives every request one token
@@ -126,26 +135,39 @@ class DecodeGraphRunner:
 
     def run(
         self, input_ids: torch.Tensor, positions: torch.Tensor, common: CommonAttentionMetadata
-    ) -> torch.Tensor | None:
-        """Hidden states [n, hidden] of a decode-only step by graph replay, or None when the
-        step is not decode-only or is larger than the largest graph (run it eagerly). The
-        result lives in the graphs' memory: use it before the next call."""
-        n = common.num_reqs
-        if common.max_query_len != 1 or common.num_actual_tokens != n or n > max(self.graphs):
+    ) -> Any:
+        """The model's output for the step's tokens by graph replay (hidden states [n, hidden],
+        or the model's tuple of such), or None when the step has more tokens than the largest
+        graph (run it eagerly). The result lives in the graphs' memory: use it before the next
+        call."""
+        n = common.num_actual_tokens
+        if n > max(self.graphs):
             return None
         size = min(s for s in self.graphs if s >= n)
         graph = self.graphs[size]
+        if common.max_query_len == 1:
+            seq_lens_cpu, seq_lens, block_table = common.seq_lens_cpu, common.seq_lens, common.block_table
+        else:
+            starts = common.query_start_loc_cpu
+            request = torch.repeat_interleave(torch.arange(common.num_reqs), starts[1:] - starts[:-1])
+            seq_lens_cpu = (
+                common.num_computed_tokens_cpu[request] + torch.arange(n, dtype=torch.int32) - starts[request] + 1
+            ).to(torch.int32)
+            seq_lens = seq_lens_cpu.to(self.seq_lens.device)
+            block_table = common.block_table[request.to(common.block_table.device)]
         self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(positions)
-        self.seq_lens[:n].copy_(common.seq_lens)
+        self.seq_lens[:n].copy_(seq_lens)
         self.seq_lens[n:size].zero_()
-        self.block_table[:n, : common.block_table.shape[1]].copy_(common.block_table)
+        self.block_table[:n, : block_table.shape[1]].copy_(block_table)
         self.slot_mapping[:n].copy_(common.slot_mapping)
         self.slot_mapping[n:size].fill_(-1)
-        seq_lens_cpu = torch.zeros(size, dtype=torch.int32)
-        seq_lens_cpu[:n] = common.seq_lens_cpu
-        self.builder.update_for_cudagraph(graph.metadata, self._common(size, seq_lens_cpu))
+        padded = torch.zeros(size, dtype=torch.int32)
+        padded[:n] = seq_lens_cpu
+        self.builder.update_for_cudagraph(graph.metadata, self._common(size, padded))
         self.replay(graph)
+        if isinstance(graph.output, tuple):
+            return tuple(t[:n] for t in graph.output)
         return graph.output[:n]
 
     def _common(self, size: int, seq_lens_cpu: torch.Tensor) -> CommonAttentionMetadata:
@@ -169,7 +191,7 @@ class DecodeGraphRunner:
 class _Graph:
     graph: torch.cuda.CUDAGraph
     metadata: Any
-    output: torch.Tensor
+    output: torch.Tensor | tuple[torch.Tensor, ...]
 
 
 class CudaGraphRunner(DecodeGraphRunner):

@@ -151,11 +151,9 @@ class ModelRunner:
             self.config.hf_config.vocab_size,
             self.device,
         )
-        # A target that also returns intermediate states (for an EAGLE-3 head) runs eagerly.
-        if not getattr(getattr(self.model, "model", None), "aux_hidden_state_layers", ()):
-            self.graphs = DecodeGraphRunner.create(
-                self.config, self.model, self.metadata_builder, max_blocks, self.device
-            )
+        self.graphs = DecodeGraphRunner.create(
+            self.config, self.model, self.metadata_builder, max_blocks, self.device
+        )
 
     def _update_states(self, out: SchedulerOutput) -> None:
         batch = self.batch
@@ -265,13 +263,13 @@ class ModelRunner:
         seq_lens = num_computed + num_sched
         batch.num_computed_tokens[rows] = seq_lens
         hidden = self.graphs.run(input_ids_t, positions_t, common) if self.graphs else None
-        aux_hidden = None
         if hidden is None:
             attn_metadata = self.metadata_builder.build(common)
             with set_forward_context(attn_metadata):
                 hidden = self.model(input_ids_t, positions_t)
-            if isinstance(hidden, tuple):
-                hidden, aux_hidden = hidden
+        aux_hidden = None
+        if isinstance(hidden, tuple):
+            hidden, aux_hidden = hidden
 
         prompt_logprobs = self._prompt_logprobs(req_ids, cu - num_sched, num_computed, num_sched, hidden)
         sampling = np.nonzero(seq_lens >= batch.num_tokens[rows])[0]

@@ -1,4 +1,5 @@
-/* RMSNorm, alone and fused with the residual add before it. Rows in parallel. */
+/* RMSNorm, alone and fused with the residual add before it, and the residual sum alone.
+   Rows in parallel. */
 #include <math.h>
 #include "vec.h"
 
@@ -29,5 +30,21 @@ void fused_add_rms_norm(float *x, float *residual, const float *w, int64_t T, in
         for (; i + 8 <= N; i += 8) storev(rr + i, loadv(rr + i) + loadv(xr + i));
         for (; i < N; ++i) rr[i] += xr[i];
         norm_row(xr, rr, w, N, eps);
+    }
+}
+
+/* out[t] = x[t] + residual[t], or x[t] when residual is NULL; x and residual are [T, N],
+   contiguous; out's rows are out_stride floats apart. */
+void residual_sum(float *out, int64_t out_stride, const float *x, const float *residual, int64_t T, int64_t N) {
+    for (int64_t t = 0; t < T; ++t) {
+        float *o = out + t * out_stride;
+        const float *xr = x + t * N, *rr = residual ? residual + t * N : NULL;
+        int64_t i = 0;
+        if (rr) {
+            for (; i + 8 <= N; i += 8) storev(o + i, loadv(xr + i) + loadv(rr + i));
+            for (; i < N; ++i) o[i] = xr[i] + rr[i];
+        } else {
+            for (; i < N; ++i) o[i] = xr[i];
+        }
     }
 }
