@@ -1,8 +1,9 @@
 """Speculative decoding vs none, side by side in one run, on the default model (greedy).
 
 Workloads:
-- ``copy``: single stream; chat prompts asking to repeat a given passage (the n-gram
-  proposer's case), ``--output-len`` tokens each.
+- ``copy``: single stream; chat prompts asking to repeat three given passages word for word
+  (the n-gram proposer's case; about 210 tokens of text, so that the whole of 128 output
+  tokens is the copy), ``--output-len`` tokens each.
 - ``chat``: single stream; 256-token chat prompts asking one of four questions about passages
   (not a copy task; the EAGLE heads' case; the passages are not in their training data).
 - ``concurrent``: ``--concurrency`` requests at once of the copy prompts.
@@ -74,8 +75,8 @@ def _prompts(llm: LLM, n: int) -> list[str]:
     tokenizer = llm.get_tokenizer()
     out = []
     for i in range(n):
-        passage = PASSAGES[i % len(PASSAGES)]
-        messages = [{"role": "user", "content": f"Repeat this text word for word:\n\n{passage}"}]
+        text = " ".join(PASSAGES[(i + j) % len(PASSAGES)] for j in range(3))
+        messages = [{"role": "user", "content": f"Repeat this text word for word:\n\n{text}"}]
         out.append(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
     return out
 

@@ -118,5 +118,15 @@ def test_replay_equals_eager(tmp_path, name, dtype, block_size, atol):
         assert (replayed.float() - eager.float()).abs().max().item() <= atol
         prompt_lens[:n] = seq_lens
 
+    # A verification's shape (several tokens per request) replays each token as a decode row.
+    seq_lens = [p + q for p, q in zip(prompt_lens[:2], (3, 2))]
+    verify = _common(seq_lens, [3, 2], block_size)
+    inputs = _inputs(seq_lens, [3, 2])
+    eager = _eager(runner, verify, *inputs).clone()
+    replayed = graphs.run(*inputs, verify)
+    assert replayed is not None and replayed.shape == eager.shape
+    assert (replayed.float() - eager.float()).abs().max().item() <= atol
+    prompt_lens[:2] = seq_lens
+
     too_many = [p + 1 for p in prompt_lens] * 2
     assert graphs.run(*_inputs(too_many, [1] * 10), _common(too_many, [1] * 10, block_size)) is None
