@@ -650,5 +650,5 @@ def test_op_table_with_an_unknown_op_name_is_refused():
         name = "typo-ops"
         custom_ops = {"rmsnorm": "tokenmill_example_plugin.ops:rms_norm"}
 
-    with pytest.raises(ValueError, match="platform 'typo-ops' replaces unknown op\\(s\\) 'rmsnorm'; ops are rms_norm, silu_and_mul, rotary_embedding, embedding, unquantized_linear, unquantized_fused_moe"):
+    with pytest.raises(ValueError, match="platform 'typo-ops' replaces unknown op\\(s\\) 'rmsnorm'; ops are rms_norm, residual_sum, silu_and_mul, rotary_embedding, embedding, unquantized_linear, unquantized_fused_moe"):
         TypoOpsPlatform.get_ops()
