@@ -7,11 +7,20 @@ from dataclasses import dataclass
 from typing import Any
 
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8
-"""Running requests from which a step does not speculate, when the config does not say.
+"""Running requests from which a step does not speculate, when the config does not say, for
+``ngram`` and plugin methods; methods with a model of their own stop at
+``MODEL_DISABLE_BY_BATCH_SIZE``.
 
-A first estimate, not yet measured: from a few requests on, a CPU step is bound by compute, and
-verifying ``k + 1`` tokens per request multiplies it. ``benchmarks/spec_decode.py --workload
-concurrent`` compares speculation at any batch size, with this cut-off and without it."""
+Chosen from ``benchmarks/spec_decode.py`` on the default model (2 cores of an AMD EPYC,
+2026-12-02, speculating at any batch size against none): ``ngram`` k = 3 on copy prompts pays
+1.24x at 2 requests and 1.39x at 4 (3.5 tokens per verification step), and costs 4 % at 32
+(k = 4); the shipped EAGLE heads at k = 2 on chat prompts (1.6 tokens per step) pay 1.3-1.4x
+at one request but cost at 2, 4 and 8 requests (0.84-0.90x, 0.68-0.69x, 0.91-0.98x): from 2
+requests a verification step has more rows than the float32 CPU graphs take, and its cost
+grows with them while the drafts accepted stay few."""
+
+MODEL_DISABLE_BY_BATCH_SIZE = 2
+"""The default cut-off of the methods in ``MODEL_METHODS`` (see ``DEFAULT_DISABLE_BY_BATCH_SIZE``)."""
 
 MODEL_METHODS = ("draft_model", "eagle", "eagle3", "mtp")
 """Methods that run a model of their own, named by the ``model`` key."""
@@ -30,7 +39,8 @@ class SpeculativeConfig:
         prompt_lookup_min: shortest suffix the n-gram proposer matches.
         prompt_lookup_max: longest suffix the n-gram proposer matches.
         disable_by_batch_size: a step with at least this many running requests does not
-            speculate; 0 speculates at any batch size.
+            speculate; 0 speculates at any batch size (default: 2 for the methods with a model,
+            8 for the others).
         extra: further keys, allowed only for plugin methods, which read them themselves.
     """
 
@@ -80,7 +90,8 @@ class SpeculativeConfig:
         elif lookup_min is not None or lookup_max is not None:
             key = "prompt_lookup_min" if lookup_min is not None else "prompt_lookup_max"
             raise ValueError(f"speculative_config[{key!r}] applies to method 'ngram' only")
-        disable = raw.pop("disable_by_batch_size", DEFAULT_DISABLE_BY_BATCH_SIZE)
+        default = MODEL_DISABLE_BY_BATCH_SIZE if method in MODEL_METHODS else DEFAULT_DISABLE_BY_BATCH_SIZE
+        disable = raw.pop("disable_by_batch_size", default)
         if disable is None:
             disable = 0
         if isinstance(disable, bool) or not isinstance(disable, int) or disable < 0:

@@ -203,6 +203,16 @@ def test_ngram_defaults_follow_vllm():
     assert (spec.prompt_lookup_min, spec.prompt_lookup_max) == (3, 3)
 
 
+def test_disable_by_batch_size_defaults_by_method(tiny):
+    """Measured on this CPU: ``ngram`` still pays at a few requests, a model's drafts only at one."""
+    def cutoff(**spec):
+        return EngineConfig(speculative_config={"num_speculative_tokens": 2, **spec}).speculative.disable_by_batch_size
+
+    assert cutoff(method="ngram") == 8
+    assert cutoff(method="eagle") == cutoff(method="eagle3") == cutoff(model=tiny["draft"]) == 2
+    assert cutoff(method="eagle", disable_by_batch_size=0) == 0
+
+
 DEFAULT_TEXTS = [
     "Repeat after me: the quick brown fox jumps over the lazy dog. The quick brown fox",
     "List the numbers: 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,",
