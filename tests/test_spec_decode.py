@@ -71,7 +71,7 @@ def test_greedy_equals_non_speculative(tiny, prompts, reference, engine, method,
 def test_self_draft_accepts_everything_k_plus_one_per_step(tiny):
     """Draft = target: acceptance 1.0 and k + 1 tokens per verification step."""
     llm = LLM(model=tiny["target"], num_kv_blocks=64, max_model_len=256,
-              speculative_config={"model": tiny["target"], "num_speculative_tokens": 4})
+              speculative_config={"model": tiny["target"], "num_speculative_tokens": 4, "disable_by_batch_size": 0})
     params = SamplingParams(temperature=0, max_tokens=1 + 5 * 8, ignore_eos=True)
     generate(llm, [{"prompt_token_ids": [1, 2, 3]}], params)
     stats = llm.get_stats()
@@ -96,7 +96,7 @@ def test_stop_token_inside_accepted_run_ends_there(tiny, prompts, reference):
     stop = target[10]
     first = target.index(stop)
     llm = LLM(model=tiny["target"], num_kv_blocks=64, max_model_len=256,
-              speculative_config={"model": tiny["target"], "num_speculative_tokens": 4})
+              speculative_config={"model": tiny["target"], "num_speculative_tokens": 4, "disable_by_batch_size": 0})
     params = SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[stop])
     out = llm.generate(prompts[:1], params, use_tqdm=False)[0].outputs[0]
     assert out.token_ids == target[: first + 1]
@@ -113,7 +113,7 @@ def test_allowed_tokens_and_logit_bias_apply_at_verified_positions(tiny, prompts
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, allowed_token_ids=allowed, logit_bias={7: 4.0})
     ref = LLM(model=tiny["target"], num_kv_blocks=64, max_model_len=256)
     spec = LLM(model=tiny["target"], num_kv_blocks=64, max_model_len=256,
-               speculative_config={"model": tiny["target"], "num_speculative_tokens": 3})
+               speculative_config={"model": tiny["target"], "num_speculative_tokens": 3, "disable_by_batch_size": 0})
     expected = generate(ref, prompts[:3], params)
     assert all(t in allowed for out in expected for t in out)
     assert generate(spec, prompts[:3], params) == expected
@@ -124,7 +124,7 @@ def test_logprobs_of_accepted_tokens_match_non_speculative(tiny, prompts):
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
     ref = LLM(model=tiny["target"], num_kv_blocks=64, max_model_len=256)
     spec = LLM(model=tiny["target"], num_kv_blocks=64, max_model_len=256,
-               speculative_config={"model": tiny["target"], "num_speculative_tokens": 3})
+               speculative_config={"model": tiny["target"], "num_speculative_tokens": 3, "disable_by_batch_size": 0})
     a = ref.generate(prompts[:2], params, use_tqdm=False)
     b = spec.generate(prompts[:2], params, use_tqdm=False)
     assert spec.get_stats()["spec_num_accepted_tokens"] > 0
