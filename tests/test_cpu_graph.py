@@ -147,7 +147,8 @@ def replayed_steps(monkeypatch) -> list[tuple[int, int]]:
 
 def test_verification_steps_replay_a_graph_per_token(tiny, replayed_steps):
     """A verification step's k + 1 tokens of one request run as k + 1 decode rows of a graph,
-    and the tokens are the eager engine's (which equal the non-speculative run's)."""
+    and the tokens are the eager engine's (which equal the non-speculative run's); a prompt of
+    more than k + 1 tokens, though within the graphs' 8 rows, runs eagerly."""
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "disable_by_batch_size": 0}
     llm = LLM(model=tiny, quantization="int8", speculative_config=spec, **ENGINE)
     eager = LLM(model=tiny, quantization="int8", enforce_eager=True, **ENGINE)
@@ -155,6 +156,7 @@ def test_verification_steps_replay_a_graph_per_token(tiny, replayed_steps):
         assert generate(llm, n) == generate(eager, n)
     assert llm.get_stats()["spec_num_drafts"] > 0
     assert any(query > 1 for _, query in replayed_steps)
+    assert max(query for _, query in replayed_steps) <= 4 < len(PROMPTS[0])
 
 
 def test_an_eagle3_target_is_captured_with_its_residual_streams(tmp_path, replayed_steps):

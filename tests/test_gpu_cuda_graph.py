@@ -100,6 +100,7 @@ def test_replay_equals_eager(tmp_path, name, dtype, block_size, atol):
         BLOCKS_PER_REQ,
         config.max_model_len,
         runner.device,
+        tokens_per_request=3,
     )
 
     prompt_lens = [5, 17, 9, 30, 2]

@@ -6,11 +6,12 @@ token) of ``n`` requests is copied into those buffers, padded to the nearest cap
 (padding requests have no context and slot ``-1``, so they write nothing and read nothing), and
 the graph is replayed.
 
-A step of ``n`` tokens where some request schedules several (a speculative verification, a
-short prefill chunk) replays the graph of ``n`` rows too: each token becomes a decode row of its
-own, with its request's block table and the context up to itself. Every row writes its key and
-value before any row attends, so a token sees the earlier tokens of its step as it does in the
-eager forward. Steps above the largest size run eagerly.
+A speculative verification step (up to ``k + 1`` tokens per request, ``n`` in all) replays the
+graph of ``n`` rows too: each token becomes a decode row of its own, with its request's block
+table and the context up to itself. Every row writes its key and value before any row attends,
+so a token sees the earlier tokens of its step as it does in the eager forward. Each row reads
+its request's context again, so steps with longer queries (prefill chunks) run eagerly, as do
+steps above the largest size.
 
 A backend takes part when its metadata builder implements :class:`GraphCapturableBuilder`.
 :class:`DecodeGraphRunner` holds what every kind of graph shares (static buffers, padding, the
@@ -63,7 +64,8 @@ class DecodeGraphRunner:
     in ``worker/cpu_graph.py``).
 
     ``max_blocks_per_req`` is the block-table width of the runner's input batch;
-    ``max_model_len`` bounds every sequence a replay may see."""
+    ``max_model_len`` bounds every sequence a replay may see; ``tokens_per_request`` is the
+    longest query a replayed step may have (``1 + k`` with speculative decoding)."""
 
     def __init__(
         self,
@@ -73,8 +75,10 @@ class DecodeGraphRunner:
         max_blocks_per_req: int,
         max_model_len: int,
         device: torch.device,
+        tokens_per_request: int = 1,
     ) -> None:
         self.model = model
+        self.tokens_per_request = tokens_per_request
         self.builder = builder
         self.sizes = sorted(sizes)
         self.max_model_len = max_model_len
@@ -111,11 +115,11 @@ class DecodeGraphRunner:
             return None
         if not isinstance(builder, GraphCapturableBuilder):
             return None
-        rows = config.max_num_seqs
-        if config.speculative is not None:
-            rows *= 1 + config.speculative.num_speculative_tokens
-        sizes = runner_cls.sizes_for(rows)
-        runner = runner_cls(model, builder, sizes, max_blocks_per_req, config.max_model_len, device)
+        per_request = 1 + (config.speculative.num_speculative_tokens if config.speculative else 0)
+        sizes = runner_cls.sizes_for(config.max_num_seqs * per_request)
+        runner = runner_cls(
+            model, builder, sizes, max_blocks_per_req, config.max_model_len, device, per_request
+        )
         runner.capture()
         return runner if runner.graphs else None
 
@@ -138,10 +142,10 @@ class DecodeGraphRunner:
     ) -> Any:
         """The model's output for the step's tokens by graph replay (hidden states [n, hidden],
         or the model's tuple of such), or None when the step has more tokens than the largest
-        graph (run it eagerly). The result lives in the graphs' memory: use it before the next
-        call."""
+        graph or a query longer than ``tokens_per_request`` (run it eagerly). The result lives
+        in the graphs' memory: use it before the next call."""
         n = common.num_actual_tokens
-        if n > max(self.graphs):
+        if n > max(self.graphs) or common.max_query_len > self.tokens_per_request:
             return None
         size = min(s for s in self.graphs if s >= n)
         graph = self.graphs[size]
