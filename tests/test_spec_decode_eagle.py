@@ -182,3 +182,23 @@ def test_drafts_are_the_training_heads(models, tmp_path, monkeypatch, method):
             next_ids = torch.cat((next_ids, torch.tensor(expected[-1:])))
             feats = torch.cat((feats, torch.zeros(1, feats.shape[1])))  # never read: only step 0 reads it
     assert proposals[0][0].tolist() == expected
+
+
+@pytest.mark.parametrize("missing", ["d2t", "lm_head.weight"])
+def test_a_draft_vocabulary_needs_its_mapping_and_rows(models, tmp_path, missing):
+    """An EAGLE-1 head with a draft vocabulary smaller than the target's must bring ``d2t`` and
+    its own LM head rows (the target's cover every token)."""
+    from safetensors.torch import load_file, save_file
+
+    head = tmp_path / "head"
+    head.mkdir()
+    config = json.loads((Path(models["eagle"]) / "config.json").read_text())
+    (head / "config.json").write_text(json.dumps(config | {"draft_vocab_size": 96}))
+    tensors = load_file(str(Path(models["eagle"]) / "model.safetensors"))
+    tensors |= {"d2t": torch.zeros(96, dtype=torch.int64), "lm_head.weight": torch.randn(96, config["hidden_size"])}
+    del tensors[missing]
+    save_file(tensors, str(head / "model.safetensors"))
+    message = "lacks its d2t mapping" if missing == "d2t" else "lacks its own lm_head"
+    with pytest.raises(ValueError, match=message):
+        LLM(model=models["target"], num_kv_blocks=64, max_model_len=256,
+            speculative_config={"method": "eagle", "model": str(head), "num_speculative_tokens": 2})
