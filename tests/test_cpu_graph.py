@@ -48,7 +48,7 @@ def test_replays_give_the_eager_tokens(checkpoints, arch, quantization, monkeypa
     llm = LLM(model=model, quantization=quantization, **ENGINE)
     runner = graph_runner(llm)
     assert isinstance(runner, CpuGraphRunner) and sorted(runner.graphs) == list(range(1, 9))
-    assert any(m.startswith("CPU decode graphs for 1, 2, 3, 4, 5, 6, 7, 8 requests") for _, _, m in tokenmill_log)
+    assert any(m.startswith("CPU decode graphs for steps of 1, 2, 3, 4, 5, 6, 7, 8 tokens") for _, _, m in tokenmill_log)
     size_of = {id(graph): size for size, graph in runner.graphs.items()}
     replayed: list[int] = []
     replay = CpuGraphRunner.replay

@@ -128,10 +128,10 @@ class CpuGraphRunner(DecodeGraphRunner):
                 if not self.graphs:
                     logger.info("CPU decode graphs off: %s", e)
                     return
-                logger.info("CPU decode graphs stop at %d requests (%d: %s)", max(self.graphs), size, e)
+                logger.info("CPU decode graphs stop at %d tokens (%d: %s)", max(self.graphs), size, e)
                 break
         logger.info(
-            "CPU decode graphs for %s requests (%d kernel calls per step at 1)",
+            "CPU decode graphs for steps of %s tokens (%d kernel calls per step of 1)",
             ", ".join(map(str, self.graphs)),
             len(self.graphs[min(self.graphs)].calls),
         )
