@@ -10,7 +10,8 @@ The prompts are composed as the training script's are, with another seed and pas
 used. Acceptance at position 0 should come close to step 0's top-1 (drafts start at a subset of
 the positions); at position j it cannot exceed the smallest top-1 of steps 0..j (a draft is
 only verified after the ones before it were accepted, so it sees true predecessors, as the
-teacher-forced steps do).
+teacher-forced steps do). The top-2 to top-``--top-k`` hit rates bound what a tree of drafts
+(several candidates per position, as the EAGLE authors verify) could accept over the chain.
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ from tokenmill.default_model import default_model_path
 from tokenmill.spec_decode.eagle import DEFAULT_MODEL_HEADS
 
 
-def teacher_forced_top1(method: str, head_dir: Path, seqs, steps: int) -> list[float]:
-    """Top-1 per draft step over the generated positions (the target's next-next token)."""
+def teacher_forced_top_k(method: str, head_dir: Path, seqs, steps: int, top_k: int) -> torch.Tensor:
+    """``[steps, top_k]``: how often the target's token (at a generated position) is among the
+    head's first 1..top_k drafts, per draft step."""
     feats, lasts, preds, embed, _ = train.target_features(str(default_model_path()), seqs, 8192)
     cfg = json.loads((head_dir / "config.json").read_text())
     tensors = load_file(str(head_dir / "model.safetensors"))
@@ -40,16 +42,16 @@ def teacher_forced_top1(method: str, head_dir: Path, seqs, steps: int) -> list[f
         draft_ids = torch.arange(len(embed))
         head, feats = train.EagleHead(cfg, embed, embed), lasts
     head.load_checkpoint(tensors)
-    hits, totals = [0] * steps, [0] * steps
+    hits, totals = torch.zeros(steps, top_k), [0] * steps
     with torch.no_grad():
         for (prompt, gen), f, p in zip(seqs, feats, preds):
             ids = torch.tensor(prompt + gen)
             for j, hidden in enumerate(head(ids[1:][None], f[:-1].float()[None], steps)):
                 at = slice(max(j, len(prompt) - 2), len(ids) - 1)
-                drafts = draft_ids[head.logits(hidden[0, at]).argmax(-1)]
-                hits[j] += (drafts == p[1:][at]).sum().item()
+                drafts = draft_ids[head.logits(hidden[0, at]).topk(top_k, dim=-1).indices]
+                hits[j] += (drafts == p[1:][at][:, None]).cumsum(-1).clamp(max=1).sum(0)
                 totals[j] += at.stop - at.start
-    return [h / t for h, t in zip(hits, totals)]
+    return hits / torch.tensor(totals, dtype=torch.float32)[:, None]
 
 
 def main() -> None:
@@ -59,12 +61,15 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--gen-tokens", type=int, default=96)
     parser.add_argument("--k", type=int, default=3)
+    parser.add_argument("--top-k", type=int, default=4, help="report the top-1..top-k hit rates")
     args = parser.parse_args()
     head = args.head or DEFAULT_MODEL_HEADS[args.method]
     prompts = train.compose_prompts(1000 + args.prompts, 12345, train.passages())[-args.prompts :]
     seqs = train.generate(train.engine(), prompts, args.gen_tokens)
-    top1 = teacher_forced_top1(args.method, head, seqs, args.k)
-    print("teacher-forced top-1 per draft step: " + " ".join(f"{a:.3f}" for a in top1))
+    rates = teacher_forced_top_k(args.method, head, seqs, args.k, args.top_k)
+    print("teacher-forced top-1 per draft step: " + " ".join(f"{a:.3f}" for a in rates[:, 0]))
+    for j, row in enumerate(rates):
+        print(f"  step {j}, top-1..{args.top_k}: " + " ".join(f"{a:.3f}" for a in row))
 
     spec = {"method": args.method, "model": str(head), "num_speculative_tokens": args.k, "disable_by_batch_size": 0}
     llm = LLM(max_model_len=1024, kv_cache_memory_bytes=2**28, speculative_config=spec)
