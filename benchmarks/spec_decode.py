@@ -58,10 +58,16 @@ CONFIGS = {
         f"{method}-k{k}": {"method": method, "num_speculative_tokens": k, "disable_by_batch_size": 0}
         for method in ("eagle", "eagle3") for k in (1, 2, 3, 4)
     },
+    **{
+        f"{method}-k{k}-lookup": {"method": method, "num_speculative_tokens": k, "disable_by_batch_size": 0,
+                                  "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+        for method in ("eagle", "eagle3") for k in (2, 3, 4)
+    },
     "eagle-k3-default-cutoff": {"method": "eagle", "num_speculative_tokens": 3},
     "eagle3-k3-default-cutoff": {"method": "eagle3", "num_speculative_tokens": 3},
 }
-"""Configurations by name; ``eagle`` and ``eagle3`` ones use the heads shipped for the default model."""
+"""Configurations by name; ``eagle`` and ``eagle3`` ones use the heads shipped for the default
+model, ``-lookup`` ones draft from a prompt lookup first (the head where it finds no match)."""
 
 QUESTIONS = [
     "Explain what this passage says in your own words.",

@@ -89,9 +89,10 @@ class EngineArgs:
     )
     speculative_config: dict[str, Any] | None = _arg(
         None,
-        "speculative decoding, as a JSON object with vLLM's keys: method (ngram, draft_model or "
-        "a plugin's), num_speculative_tokens, model, prompt_lookup_min, prompt_lookup_max, "
-        "disable_by_batch_size",
+        "speculative decoding, as a JSON object with vLLM's keys: method (ngram, draft_model, "
+        "eagle, eagle3, mtp or a plugin's), num_speculative_tokens, model, prompt_lookup_min, "
+        "prompt_lookup_max (ngram's; with a method that runs a model, drafts from the lookup "
+        "where it matches), disable_by_batch_size",
     )
     tensor_parallel_size: int = _arg(
         1,

@@ -37,7 +37,10 @@ class SpeculativeConfig:
         model: the draft model's or head's HF directory (``draft_model``, ``eagle``,
             ``eagle3``; ``mtp`` uses the target's own checkpoint).
         prompt_lookup_min: shortest suffix the n-gram proposer matches.
-        prompt_lookup_max: longest suffix the n-gram proposer matches.
+        prompt_lookup_max: longest suffix the n-gram proposer matches. Given to a method in
+            ``MODEL_METHODS`` (either key; the other defaults to it), a request's drafts come
+            from the same lookup where it finds a match, from the model elsewhere; None: the
+            model's only.
         disable_by_batch_size: a step with at least this many running requests does not
             speculate; 0 speculates at any batch size (default: 2 for the methods with a model,
             8 for the others).
@@ -85,11 +88,15 @@ class SpeculativeConfig:
             )
         lookup_min = raw.pop("prompt_lookup_min", None)
         lookup_max = raw.pop("prompt_lookup_max", None)
-        if method == "ngram":
+        if method == "ngram" or (
+            method in MODEL_METHODS and (lookup_min is not None or lookup_max is not None)
+        ):
             lookup_min, lookup_max = _lookup_bounds(lookup_min, lookup_max)
         elif lookup_min is not None or lookup_max is not None:
             key = "prompt_lookup_min" if lookup_min is not None else "prompt_lookup_max"
-            raise ValueError(f"speculative_config[{key!r}] applies to method 'ngram' only")
+            raise ValueError(
+                f"speculative_config[{key!r}] applies to methods {', '.join(BUILTIN_METHODS)} only"
+            )
         default = MODEL_DISABLE_BY_BATCH_SIZE if method in MODEL_METHODS else DEFAULT_DISABLE_BY_BATCH_SIZE
         disable = raw.pop("disable_by_batch_size", default)
         if disable is None:

@@ -1,6 +1,13 @@
 """What the proposers that run a model of their own (``draft_model``, ``eagle``, ``eagle3``,
 ``mtp``) share: the model's KV caches laid over the target's blocks, its attention metadata,
-and the loop of single-token draft steps after a first pass over the target step."""
+and the loop of single-token draft steps after a first pass over the target step.
+
+With ``prompt_lookup_min``/``_max`` in the config, a request whose tokens end in a suffix that
+occurred before takes the ``ngram`` proposer's drafts instead of the model's (the model still
+runs its first pass, which keeps its cache in step); the model's further draft steps run only
+when some request found no match. Where the output quotes its context (answers about a given
+text, rewrites, code edits) the lookup's drafts are accepted far more often than a small
+head's."""
 
 from __future__ import annotations
 
@@ -15,6 +22,7 @@ from tokenmill.forward_context import set_forward_context
 from tokenmill.interfaces.proposer import FlatInputs, Proposal, ProposalBatch, Proposer
 from tokenmill.layers.attention import Attention
 from tokenmill.layers.mla_attention import MLAAttention
+from tokenmill.spec_decode.ngram import prompt_lookup
 from tokenmill.speculative_config import SpeculativeConfig
 from tokenmill.worker.attention_groups import make_metadata_builder, model_attention_layers
 
@@ -80,6 +88,14 @@ class ModelProposer(Proposer):
         tokens, state, positions = self._first_pass(batch)
         if not len(batch.rows):
             return Proposal(np.zeros((0, k), dtype=np.int64), np.zeros(0, dtype=np.int64))
+        lookup = None
+        if self.spec.prompt_lookup_max is not None:
+            assert self.spec.prompt_lookup_min is not None
+            lookup = prompt_lookup(
+                batch.input_batch, batch.rows, k, self.spec.prompt_lookup_min, self.spec.prompt_lookup_max
+            )
+            if lookup.num_draft_tokens.all():
+                return lookup
         drafts = [tokens]
         ones = np.ones(len(batch.rows), dtype=np.int64)
         for i in range(1, k):
@@ -87,7 +103,12 @@ class ModelProposer(Proposer):
             tokens, state = self._draft_step(flat, tokens, state, i)
             drafts.append(tokens)
         draft_ids = torch.stack(drafts, dim=1).cpu().numpy()
-        return Proposal(draft_ids, np.full(len(batch.rows), k, dtype=np.int64))
+        num_drafts = np.full(len(batch.rows), k, dtype=np.int64)
+        if lookup is not None:
+            found = lookup.num_draft_tokens > 0
+            draft_ids[found] = lookup.draft_token_ids[found]
+            num_drafts[found] = lookup.num_draft_tokens[found]
+        return Proposal(draft_ids, num_drafts)
 
 
 def step_indices(step_rows: np.ndarray, rows: np.ndarray) -> np.ndarray:

@@ -179,8 +179,9 @@ def test_random_path_keeps_the_target_distribution(tmp_path):
          r"unknown speculative_config key\(s\) for method 'ngram': draft_tensor_parallel_size"),
         ({"method": "draft_model", "num_speculative_tokens": 2}, r"\['model'\] is required for method 'draft_model'"),
         ({"method": "draft_model", "model": "/nonexistent", "num_speculative_tokens": 2}, r"\['model'\] must be a model directory"),
-        ({"method": "draft_model", "model": "/tmp", "num_speculative_tokens": 2, "prompt_lookup_min": 2},
-         r"\['prompt_lookup_min'\] applies to method 'ngram' only"),
+        ({"method": "suffix", "num_speculative_tokens": 2, "prompt_lookup_min": 2},
+         r"\['prompt_lookup_min'\] applies to methods ngram, draft_model, eagle, eagle3, mtp only"),
+        ({"method": "eagle", "num_speculative_tokens": 2, "prompt_lookup_max": 0}, r"\['prompt_lookup_max'\] must be a positive"),
     ],
 )
 def test_bad_speculative_config_names_the_key(spec, message):
@@ -201,6 +202,16 @@ def test_ngram_defaults_follow_vllm():
     assert (spec.prompt_lookup_min, spec.prompt_lookup_max) == (5, 5)
     spec = EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}).speculative
     assert (spec.prompt_lookup_min, spec.prompt_lookup_max) == (3, 3)
+
+
+def test_model_methods_look_up_only_when_asked():
+    def bounds(**spec):
+        spec = EngineConfig(speculative_config={"num_speculative_tokens": 2, **spec}).speculative
+        return spec.prompt_lookup_min, spec.prompt_lookup_max
+
+    assert bounds(method="eagle") == (None, None)
+    assert bounds(method="eagle3", prompt_lookup_max=4) == (4, 4)
+    assert bounds(method="mtp", prompt_lookup_min=2, prompt_lookup_max=4) == (2, 4)
 
 
 def test_disable_by_batch_size_defaults_by_method(tiny):
@@ -276,6 +287,23 @@ def test_default_model_greedy_equals_non_speculative(default_model_dir, default_
         assert stats["num_preemptions"] > 0
     if method == "self-draft":
         assert stats["spec_num_accepted_tokens"] == stats["spec_num_draft_tokens"]
+
+
+def test_prompt_lookup_raises_a_heads_acceptance(default_reference):
+    """The shipped EAGLE-3 head with ``prompt_lookup_*``: these prompts repeat themselves, so
+    the lookup's drafts are accepted more often than the head's; outputs stay exact under
+    chunked prefill and preemption too."""
+    prompts, reference = default_reference
+    spec = {"method": "eagle3", "num_speculative_tokens": 3, "disable_by_batch_size": 0}
+    accepted = {}
+    for engine, lookup in (("plain", False), ("plain", True), ("chunked", True), ("preempting", True)):
+        extra = {"prompt_lookup_min": 2, "prompt_lookup_max": 4} if lookup else {}
+        llm = LLM(max_model_len=256, speculative_config=spec | extra, **DEFAULT_ENGINES[engine])
+        out, stats = _generate_counting(llm, prompts, DEFAULT_GREEDY)
+        assert out == reference
+        if engine == "plain":
+            accepted[lookup] = stats["spec_num_accepted_tokens"]
+    assert accepted[True] > accepted[False]
 
 
 def test_cli_speculative_config_is_a_json_object(capsys):

@@ -66,6 +66,30 @@ def test_greedy_equals_non_speculative(models, prompts, references, head, engine
         assert stats["num_preemptions"] > 0
 
 
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_prompt_lookup_drafts_first(models, prompts, references, engine, monkeypatch):
+    """With ``prompt_lookup_*`` a head's request takes the lookup's drafts where its tokens
+    end in a suffix that recurs, the head's elsewhere; outputs stay exact."""
+    from tokenmill.spec_decode import model_proposer
+    from tokenmill.spec_decode.eagle import EagleProposer
+
+    lookups, proposals = [], []
+    lookup, propose = model_proposer.prompt_lookup, EagleProposer.propose
+    monkeypatch.setattr(model_proposer, "prompt_lookup", lambda *a: lookups.append(lookup(*a)) or lookups[-1])
+    monkeypatch.setattr(EagleProposer, "propose", lambda self, b: proposals.append(propose(self, b)) or proposals[-1])
+    spec = {"method": "eagle3", "model": models["eagle3"], "num_speculative_tokens": 3,
+            "disable_by_batch_size": 0, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    llm = LLM(model=models["target"], max_model_len=256, speculative_config=spec, **ENGINES[engine])
+    assert generate(llm, prompts) == references["target"]
+    proposals = [x for x in proposals if len(x.num_draft_tokens)]  # steps with no request to draft for
+    found = [x.num_draft_tokens > 0 for x in lookups]
+    assert len(lookups) == len(proposals) and any(f.any() for f in found) and not all(f.all() for f in found)
+    for f, x, got in zip(found, lookups, proposals):
+        assert (got.num_draft_tokens[f] == x.num_draft_tokens[f]).all()
+        assert (got.draft_token_ids[f] == x.draft_token_ids[f]).all()
+        assert (got.num_draft_tokens[~f] == 3).all()
+
+
 def test_a_step_that_does_not_speculate_runs_no_head(models, prompts, references, monkeypatch):
     """Speculation off for every step (``disable_by_batch_size`` 1): the head never runs, not
     even to keep its cache in step. With a cut-off of 4 and requests ending one by one, drafting
