@@ -12,8 +12,10 @@ Workloads:
 Single-stream runs generate for ``--single-stream-prompts`` prompts one after another.
 
 Each configuration gets its own engine, a warm-up request, then the timed requests; engines
-alternate per repeat. Reports output tokens/s, the speed-up over no speculation and the
-acceptance rate (accepted / proposed drafts) with the mean tokens per verification step.
+alternate per repeat. Reports output tokens/s, the speed-up over no speculation (best run over
+best run, and the median over repeats of each run over the same repeat's run without
+speculation, which the machine's drift affects less) and the acceptance rate (accepted /
+proposed drafts) with the mean tokens per verification step.
 
     python benchmarks/spec_decode.py [--output-len 128 --repeats 2 --workload copy,chat,concurrent]
 """
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 
 from tokenmill import LLM, SamplingParams
@@ -163,6 +166,8 @@ def main() -> None:
                 "config": name,
                 "output_tok_s": [round(s, 1) for s in speeds],
                 "speedup_best": round(max(speeds) / base, 2) if base else None,
+                "speedup_median": round(statistics.median(
+                    s / b for s, b in zip(speeds, results["none"])), 2) if base else None,
                 "acceptance": round(accepted / proposed, 3) if proposed else None,
                 "tokens_per_verify_step": round(1 + accepted / drafts, 2) if drafts else None,
                 "acceptance_per_position": [round(a / drafts, 3) for a in positions[name] if a]

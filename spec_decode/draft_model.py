@@ -27,17 +27,19 @@ class DraftModelProposer(ModelProposer):
         assert self.spec.model is not None
         self._attach(load_model(self.spec.model, self.config.draft_hf_config, build_ctx, self.device))
 
-    def _first_pass(self, batch: ProposalBatch) -> tuple[torch.Tensor, Any, np.ndarray]:
+    def _first_pass(
+        self, batch: ProposalBatch, rows: np.ndarray
+    ) -> tuple[torch.Tensor | None, Any, np.ndarray]:
         step, ib = batch.step, batch.input_batch
         assert step is not None and self.model is not None
-        drafting = np.isin(step.rows, batch.rows)
+        drafting = np.isin(step.rows, rows)
         num_new = ib.num_computed_tokens[step.rows] - step.start_positions + drafting
         flat = step.prepare(step.rows, step.start_positions, num_new)
         hidden = self._run(flat, flat.input_ids, flat.positions)
-        at = torch.from_numpy(step_indices(step.rows, batch.rows)).to(self.device)
+        at = torch.from_numpy(step_indices(step.rows, rows)).to(self.device)
         last = flat.last_token_index[at]
-        tokens = self.model.compute_logits(hidden[last]).argmax(dim=-1)
-        return tokens, None, ib.num_tokens[batch.rows]
+        tokens = self.model.compute_logits(hidden[last]).argmax(dim=-1) if len(rows) else None
+        return tokens, None, ib.num_tokens[rows]
 
     def _draft_step(
         self, flat: FlatInputs, tokens: torch.Tensor, state: Any, index: int

@@ -108,7 +108,9 @@ class EagleProposer(ModelProposer):
             return self.model.compute_logits(hidden, index).argmax(dim=-1)
         return self.model.draft_to_target(self.model.compute_logits(hidden).argmax(dim=-1))
 
-    def _first_pass(self, batch: ProposalBatch) -> tuple[torch.Tensor, Any, np.ndarray]:
+    def _first_pass(
+        self, batch: ProposalBatch, rows: np.ndarray
+    ) -> tuple[torch.Tensor | None, Any, np.ndarray]:
         step, ib = batch.step, batch.input_batch
         assert step is not None and self.model is not None
         # The verified positions of every scheduled row, each with the token after it.
@@ -127,9 +129,9 @@ class EagleProposer(ModelProposer):
         flat = step.prepare(step.rows, step.start_positions, num_new)
         input_ids = torch.from_numpy(next_ids).to(self.device)
         logits_states, hidden = self._step(flat, input_ids, hidden, 0)
-        last = torch.from_numpy(cu[step_indices(step.rows, batch.rows)] - 1).to(self.device)
-        tokens = self._draft_tokens(logits_states[last], 0)
-        return tokens, hidden[last], ib.num_computed_tokens[batch.rows]
+        last = torch.from_numpy(cu[step_indices(step.rows, rows)] - 1).to(self.device)
+        tokens = self._draft_tokens(logits_states[last], 0) if len(rows) else None
+        return tokens, hidden[last], ib.num_computed_tokens[rows]
 
     def _draft_step(
         self, flat: FlatInputs, tokens: torch.Tensor, state: Any, index: int

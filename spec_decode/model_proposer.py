@@ -70,10 +70,13 @@ class ModelProposer(Proposer):
             return self.model(*inputs)
 
     @abstractmethod
-    def _first_pass(self, batch: ProposalBatch) -> tuple[torch.Tensor, Any, np.ndarray]:
+    def _first_pass(
+        self, batch: ProposalBatch, rows: np.ndarray
+    ) -> tuple[torch.Tensor | None, Any, np.ndarray]:
         """Run over every scheduled row's new tokens (keeping the model's cache in step);
-        return the drafting rows' first drafts ``[R]``, the state ``_draft_step`` continues
-        from, and the position ``[R]`` the first draft is fed at."""
+        return the first drafts ``[R]`` of ``rows``, those of ``batch.rows`` the model drafts
+        for (None when there are none), the state ``_draft_step`` continues from, and the
+        position ``[R]`` the first draft is fed at."""
 
     @abstractmethod
     def _draft_step(
@@ -85,30 +88,27 @@ class ModelProposer(Proposer):
     def propose(self, batch: ProposalBatch) -> Proposal:
         assert batch.step is not None and self.model is not None
         k = batch.num_speculative_tokens
-        tokens, state, positions = self._first_pass(batch)
-        if not len(batch.rows):
-            return Proposal(np.zeros((0, k), dtype=np.int64), np.zeros(0, dtype=np.int64))
-        lookup = None
-        if self.spec.prompt_lookup_max is not None:
+        if self.spec.prompt_lookup_max is None:
+            proposal = Proposal(np.zeros((len(batch.rows), k), dtype=np.int64), np.zeros(len(batch.rows), dtype=np.int64))
+        else:
             assert self.spec.prompt_lookup_min is not None
-            lookup = prompt_lookup(
+            proposal = prompt_lookup(
                 batch.input_batch, batch.rows, k, self.spec.prompt_lookup_min, self.spec.prompt_lookup_max
             )
-            if lookup.num_draft_tokens.all():
-                return lookup
+        drafting = proposal.num_draft_tokens == 0
+        rows = batch.rows[drafting]
+        tokens, state, positions = self._first_pass(batch, rows)
+        if not len(rows):
+            return proposal
         drafts = [tokens]
-        ones = np.ones(len(batch.rows), dtype=np.int64)
+        ones = np.ones(len(rows), dtype=np.int64)
         for i in range(1, k):
-            flat = batch.step.prepare(batch.rows, positions + i - 1, ones)
+            flat = batch.step.prepare(rows, positions + i - 1, ones)
             tokens, state = self._draft_step(flat, tokens, state, i)
             drafts.append(tokens)
-        draft_ids = torch.stack(drafts, dim=1).cpu().numpy()
-        num_drafts = np.full(len(batch.rows), k, dtype=np.int64)
-        if lookup is not None:
-            found = lookup.num_draft_tokens > 0
-            draft_ids[found] = lookup.draft_token_ids[found]
-            num_drafts[found] = lookup.num_draft_tokens[found]
-        return Proposal(draft_ids, num_drafts)
+        proposal.draft_token_ids[drafting] = torch.stack(drafts, dim=1).cpu().numpy()
+        proposal.num_draft_tokens[drafting] = k
+        return proposal
 
 
 def step_indices(step_rows: np.ndarray, rows: np.ndarray) -> np.ndarray:

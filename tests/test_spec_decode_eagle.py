@@ -5,6 +5,7 @@ own MTP layer."""
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
 import random
@@ -75,15 +76,20 @@ def test_prompt_lookup_drafts_first(models, prompts, references, engine, monkeyp
 
     lookups, proposals = [], []
     lookup, propose = model_proposer.prompt_lookup, EagleProposer.propose
-    monkeypatch.setattr(model_proposer, "prompt_lookup", lambda *a: lookups.append(lookup(*a)) or lookups[-1])
+    def recorded_lookup(*args):
+        found = lookup(*args)
+        lookups.append(copy.deepcopy(found))
+        return found
+
+    monkeypatch.setattr(model_proposer, "prompt_lookup", recorded_lookup)
     monkeypatch.setattr(EagleProposer, "propose", lambda self, b: proposals.append(propose(self, b)) or proposals[-1])
     spec = {"method": "eagle3", "model": models["eagle3"], "num_speculative_tokens": 3,
             "disable_by_batch_size": 0, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
     llm = LLM(model=models["target"], max_model_len=256, speculative_config=spec, **ENGINES[engine])
     assert generate(llm, prompts) == references["target"]
-    proposals = [x for x in proposals if len(x.num_draft_tokens)]  # steps with no request to draft for
+    assert len(lookups) == len(proposals)
     found = [x.num_draft_tokens > 0 for x in lookups]
-    assert len(lookups) == len(proposals) and any(f.any() for f in found) and not all(f.all() for f in found)
+    assert any(f.any() for f in found) and not all(f.all() for f in found)
     for f, x, got in zip(found, lookups, proposals):
         assert (got.num_draft_tokens[f] == x.num_draft_tokens[f]).all()
         assert (got.draft_token_ids[f] == x.draft_token_ids[f]).all()
@@ -129,8 +135,6 @@ def test_mtp_reuses_its_layer_beyond_num_nextn_predict_layers(models, prompts, r
 
 
 def test_refused_configs_name_the_problem(models):
-    from tokenmill.config import EngineConfig
-
     cases = [
         ({"method": "mtp"}, models["target"], r"'mtp' needs a target with MTP layers"),
         ({"method": "mtp", "model": models["eagle"]}, models["deepseek"], r"\['model'\] .* method 'mtp' runs the MTP layers of the target"),
