@@ -3,11 +3,11 @@
 and the loop of single-token draft steps after a first pass over the target step.
 
 With ``prompt_lookup_min``/``_max`` in the config, a request whose tokens end in a suffix that
-occurred before takes the ``ngram`` proposer's drafts instead of the model's (the model still
-runs its first pass, which keeps its cache in step); the model's further draft steps run only
-when some request found no match. Where the output quotes its context (answers about a given
-text, rewrites, code edits) the lookup's drafts are accepted far more often than a small
-head's."""
+occurred before takes the ``ngram`` proposer's drafts instead of the model's: the model's first
+pass still runs over every scheduled request (keeping its cache in step), but it drafts (LM
+head, further draft steps) only for the requests the lookup found nothing for. Where the output
+quotes its context (answers about a given text, rewrites, code edits) the lookup's drafts are
+accepted far more often than a small head's."""
 
 from __future__ import annotations
 
@@ -89,7 +89,8 @@ class ModelProposer(Proposer):
         assert batch.step is not None and self.model is not None
         k = batch.num_speculative_tokens
         if self.spec.prompt_lookup_max is None:
-            proposal = Proposal(np.zeros((len(batch.rows), k), dtype=np.int64), np.zeros(len(batch.rows), dtype=np.int64))
+            num_reqs = len(batch.rows)
+            proposal = Proposal(np.zeros((num_reqs, k), dtype=np.int64), np.zeros(num_reqs, dtype=np.int64))
         else:
             assert self.spec.prompt_lookup_min is not None
             proposal = prompt_lookup(
