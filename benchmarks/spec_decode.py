@@ -6,6 +6,8 @@ Workloads:
   tokens is the copy), ``--output-len`` tokens each.
 - ``chat``: single stream; 256-token chat prompts asking one of four questions about passages
   (not a copy task; the EAGLE heads' case; the passages are not in their training data).
+- ``ask``: single stream; short chat requests with no text to quote (a task about a topic, the
+  kind the EAGLE heads were trained on, about topics not in their training prompts).
 - ``concurrent``: ``--concurrency`` requests at once of the copy prompts.
 - ``chat-concurrent``: ``--concurrency`` requests at once of the chat prompts.
 
@@ -90,6 +92,24 @@ def _prompts(llm: LLM, n: int) -> list[str]:
     return out
 
 
+ASKS = [
+    "Explain how lighthouses work to a child.",
+    "Write a short poem about kites.",
+    "List three facts about glass making.",
+    "Why do people learn to play the violin?",
+]
+
+
+def _ask_prompts(llm: LLM, n: int) -> list[str]:
+    tokenizer = llm.get_tokenizer()
+    return [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": ASKS[i % len(ASKS)]}], tokenize=False, add_generation_prompt=True
+        )
+        for i in range(n)
+    ]
+
+
 def _chat_prompts(llm: LLM, n: int, length: int = 256) -> list[dict]:
     """``n`` chat prompts of exactly ``length`` tokens: a question, then passages cut to fit."""
     tokenizer = llm.get_tokenizer()
@@ -132,7 +152,7 @@ def main() -> None:
     }
     for workload in args.workload.split(","):
         n = args.concurrency if workload.endswith("concurrent") else 1
-        make_prompts = _chat_prompts if workload.startswith("chat") else _prompts
+        make_prompts = {"chat": _chat_prompts, "ask": _ask_prompts}.get(workload.split("-")[0], _prompts)
         results: dict[str, list[float]] = {name: [] for name in engines}
         accept: dict[str, tuple[int, int, int]] = {}
         positions: dict[str, list[int]] = {}
