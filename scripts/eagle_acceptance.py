@@ -38,6 +38,9 @@ def teacher_forced_top_k(method: str, head_dir: Path, seqs, steps: int, top_k: i
     if method == "eagle3":
         draft_ids = torch.arange(len(tensors["d2t"])) + tensors["d2t"]
         head: train.DraftHead = train.Eagle3Head(cfg, embed, len(draft_ids))
+    elif "d2t" in tensors:  # its own LM head rows over a draft vocabulary, as the shipped head
+        draft_ids = torch.arange(len(tensors["d2t"])) + tensors["d2t"]
+        head, feats = train.EagleHead(cfg, embed, tensors["lm_head.weight"].float()), lasts
     else:  # the LM head is the target's (tied) embedding, over the whole vocabulary
         draft_ids = torch.arange(len(embed))
         head, feats = train.EagleHead(cfg, embed, embed), lasts
