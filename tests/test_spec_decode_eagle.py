@@ -68,25 +68,31 @@ def test_greedy_equals_non_speculative(models, prompts, references, head, engine
 
 
 @pytest.mark.parametrize("engine", list(ENGINES))
-def test_prompt_lookup_drafts_first(models, prompts, references, engine, monkeypatch):
-    """With ``prompt_lookup_*`` a head's request takes the lookup's drafts where its tokens
-    end in a suffix that recurs, the head's elsewhere; outputs stay exact."""
+@pytest.mark.parametrize("method", ["eagle3", "mtp", "draft_model"])
+def test_prompt_lookup_drafts_first(models, prompts, references, method, engine, monkeypatch):
+    """With ``prompt_lookup_*`` a model's request takes the lookup's drafts where its tokens
+    end in a suffix that recurs, the model's elsewhere (the target as its own draft for
+    ``draft_model``); outputs stay exact."""
     from tokenmill.spec_decode import model_proposer
-    from tokenmill.spec_decode.eagle import EagleProposer
 
     lookups, proposals = [], []
-    lookup, propose = model_proposer.prompt_lookup, EagleProposer.propose
+    lookup, propose = model_proposer.prompt_lookup, model_proposer.ModelProposer.propose
+
     def recorded_lookup(*args):
         found = lookup(*args)
         lookups.append(copy.deepcopy(found))
         return found
 
     monkeypatch.setattr(model_proposer, "prompt_lookup", recorded_lookup)
-    monkeypatch.setattr(EagleProposer, "propose", lambda self, b: proposals.append(propose(self, b)) or proposals[-1])
-    spec = {"method": "eagle3", "model": models["eagle3"], "num_speculative_tokens": 3,
-            "disable_by_batch_size": 0, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
-    llm = LLM(model=models["target"], max_model_len=256, speculative_config=spec, **ENGINES[engine])
-    assert generate(llm, prompts) == references["target"]
+    monkeypatch.setattr(model_proposer.ModelProposer, "propose",
+                        lambda self, b: proposals.append(propose(self, b)) or proposals[-1])
+    target = "deepseek" if method == "mtp" else "target"
+    spec = {"method": method, "num_speculative_tokens": 3, "disable_by_batch_size": 0,
+            "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    if method != "mtp":
+        spec["model"] = models["eagle3" if method == "eagle3" else "target"]
+    llm = LLM(model=models[target], max_model_len=256, speculative_config=spec, **ENGINES[engine])
+    assert generate(llm, prompts) == references[target]
     assert len(lookups) == len(proposals)
     found = [x.num_draft_tokens > 0 for x in lookups]
     assert any(f.any() for f in found) and not all(f.all() for f in found)
