@@ -82,14 +82,20 @@ QUESTIONS = [
 ]
 
 
-def _prompts(llm: LLM, n: int) -> list[str]:
+def _user_turns(llm: LLM, contents: list[str]) -> list[str]:
+    """Each of ``contents`` as a user's chat message, in the model's chat template."""
     tokenizer = llm.get_tokenizer()
-    out = []
-    for i in range(n):
-        text = " ".join(PASSAGES[(i + j) % len(PASSAGES)] for j in range(3))
-        messages = [{"role": "user", "content": f"Repeat this text word for word:\n\n{text}"}]
-        out.append(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
-    return out
+    return [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
+        )
+        for content in contents
+    ]
+
+
+def _prompts(llm: LLM, n: int) -> list[str]:
+    texts = (" ".join(PASSAGES[(i + j) % len(PASSAGES)] for j in range(3)) for i in range(n))
+    return _user_turns(llm, [f"Repeat this text word for word:\n\n{text}" for text in texts])
 
 
 ASKS = [
@@ -101,13 +107,7 @@ ASKS = [
 
 
 def _ask_prompts(llm: LLM, n: int) -> list[str]:
-    tokenizer = llm.get_tokenizer()
-    return [
-        tokenizer.apply_chat_template(
-            [{"role": "user", "content": ASKS[i % len(ASKS)]}], tokenize=False, add_generation_prompt=True
-        )
-        for i in range(n)
-    ]
+    return _user_turns(llm, [ASKS[i % len(ASKS)] for i in range(n)])
 
 
 def _chat_prompts(llm: LLM, n: int, length: int = 256) -> list[dict]:
