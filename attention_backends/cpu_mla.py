@@ -21,7 +21,7 @@ from tokenmill.attention_backends.cpu_sdpa import CpuBackend, CpuSdpaMetadata, D
 from tokenmill.attention_backends.torch_mla import TorchMLABackend, TorchMLAImpl
 from tokenmill.interfaces.attention import AttentionImpl
 from tokenmill.ops import cpu as cpu_ops
-from tokenmill.quant import kv_cache as kv_quant
+from tokenmill.layers import kv_cache_quant as kv_quant
 
 
 class CpuMLAImpl(TorchMLAImpl):

@@ -45,8 +45,8 @@ from tokenmill.interfaces.attention import (
     CommonAttentionMetadata,
 )
 from tokenmill.ops import cpu as cpu_ops
-from tokenmill.quant import kv_cache as kv_quant
-from tokenmill.quant.kv_cache import KV_CACHE_DTYPES
+from tokenmill.layers import kv_cache_quant as kv_quant
+from tokenmill.kv_cache_dtype import KV_CACHE_DTYPES
 
 
 MAX_DECODE_QUERY_LEN = 8

@@ -13,7 +13,7 @@ then:
 
 The metadata is the torch reference backend's (decode rows and padded slots, chunk slots). An
 FP8 cache stores ``latent / k_scale`` (one scale for the whole latent, as vLLM's) and the reads
-multiply back (``tokenmill.quant.kv_cache``).
+multiply back (``tokenmill.layers.kv_cache_quant``).
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ from tokenmill.interfaces.attention import (
     AttentionImpl,
     AttentionMetadataBuilder,
 )
-from tokenmill.quant import kv_cache as kv_quant
-from tokenmill.quant.kv_cache import KV_CACHE_DTYPES
+from tokenmill.layers import kv_cache_quant as kv_quant
+from tokenmill.kv_cache_dtype import KV_CACHE_DTYPES
 
 
 class TorchMLAImpl(TorchRefImpl):

@@ -7,7 +7,7 @@ one padded SDPA call (padding re-reads the request's own first slot, which is al
 so an uninitialised cache is never read); multi-token chunks run one SDPA call each with a causal mask offset by the
 cached prefix. A layer with a sliding window masks out keys that fell out of it (the whole context
 is still gathered: this backend is the reference, not the fast path). An FP8 cache is quantized
-on write and read back as the query's dtype (``tokenmill.quant.kv_cache``).
+on write and read back as the query's dtype (``tokenmill.layers.kv_cache_quant``).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from tokenmill.interfaces.attention import (
     AttentionMetadataBuilder,
     CommonAttentionMetadata,
 )
-from tokenmill.quant import kv_cache as kv_quant
-from tokenmill.quant.kv_cache import KV_CACHE_DTYPES
+from tokenmill.layers import kv_cache_quant as kv_quant
+from tokenmill.kv_cache_dtype import KV_CACHE_DTYPES
 
 
 def causal_mask(

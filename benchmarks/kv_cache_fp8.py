@@ -18,7 +18,7 @@ import torch
 
 import tokenmill  # noqa: F401  (sets the OpenMP wait policy before torch's threads start)
 from tokenmill.ops import cpu as cpu_ops
-from tokenmill.quant.kv_cache import quantize
+from tokenmill.layers.kv_cache_quant import quantize
 
 SHAPES = {"smollm2": (9, 3, 64), "mla-v3-shaped": (16, 1, 288)}
 BLOCK_SIZE = 16

@@ -18,7 +18,7 @@ from tokenmill.engine_args import (
 )
 from tokenmill.interfaces.platform import Platform
 from tokenmill.logprobs import LOGPROBS_MODES
-from tokenmill.quant.kv_cache import KV_CACHE_DTYPES, kv_cache_torch_dtype
+from tokenmill.kv_cache_dtype import KV_CACHE_DTYPES, kv_cache_torch_dtype
 from tokenmill.speculative_config import SpeculativeConfig
 
 DTYPES = {

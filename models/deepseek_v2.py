@@ -26,7 +26,7 @@ from tokenmill.layers.mla_attention import MLAAttention
 from tokenmill.layers.rotary_embedding import get_rope, rope_config, yarn_get_mscale
 from tokenmill.layers.vocab_embedding import VocabParallelEmbedding
 from tokenmill.model_loader.weights import default_weight_loader, find_param
-from tokenmill.quant.kv_cache import load_kv_scale
+from tokenmill.layers.kv_cache_quant import load_kv_scale
 from tokenmill.models.llama import CausalLM, LlamaMLP, PreNormDecoderLayer, maybe_prefix
 
 

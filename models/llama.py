@@ -25,7 +25,7 @@ from tokenmill.layers.linear import (
 from tokenmill.layers.rotary_embedding import get_rope, rope_config
 from tokenmill.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from tokenmill.model_loader.weights import default_weight_loader, find_param
-from tokenmill.quant.kv_cache import load_kv_scale
+from tokenmill.layers.kv_cache_quant import load_kv_scale
 
 
 def maybe_prefix(prefix: str, name: str) -> str:

@@ -17,7 +17,7 @@ from tokenmill.attention_backends.torch_mla import TorchMLAImpl
 from tokenmill.attention_backends.torch_ref import TorchRefBackend
 from tokenmill.interfaces import FullAttentionSpec, MLAAttentionSpec
 from tokenmill.ops import cpu as cpu_ops
-from tokenmill.quant import kv_cache as kv_quant
+from tokenmill.layers import kv_cache_quant as kv_quant
 from tokenmill.testing.paged import MIXED_SHAPES, context_fill, random_batch
 
 FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}

@@ -55,7 +55,7 @@ class AttentionImpl(ABC):
     ``j`` with ``i - sliding_window < j <= i``; without one, to all ``j <= i``. Only backends
     whose ``supports_sliding_window`` is set are given one.
 
-    ``k_scale`` and ``v_scale`` are the layer's FP8 KV-cache scales (``tokenmill.quant.kv_cache``):
+    ``k_scale`` and ``v_scale`` are the layer's FP8 KV-cache scales (``tokenmill.layers.kv_cache_quant``):
     a float8 cache stores ``key / k_scale`` and ``value / v_scale``. They are 1.0 unless the
     checkpoint sets them; only backends that list the float8 dtypes in
     ``supported_kv_cache_dtypes`` are given a float8 cache.

@@ -8,7 +8,7 @@ from torch import nn
 from tokenmill.forward_context import get_forward_context
 from tokenmill.interfaces.kv_cache_spec import KVCacheSpec, MLAAttentionSpec
 from tokenmill.layers.build_context import current_build_context
-from tokenmill.quant import kv_cache as kv_quant
+from tokenmill.layers import kv_cache_quant as kv_quant
 from tokenmill.layers.linear import LinearBase, UnquantizedLinearMethod
 
 

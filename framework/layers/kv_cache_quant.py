@@ -17,28 +17,11 @@ import re
 import torch
 from torch import nn
 
-KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
-    "auto": None,
-    "fp8": torch.float8_e4m3fn,
-    "fp8_e4m3": torch.float8_e4m3fn,
-    "fp8_e5m2": torch.float8_e5m2,
-}
-"""``kv_cache_dtype`` values and the storage dtype each means (None: the model's dtype)."""
-
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+from tokenmill.kv_cache_dtype import is_fp8
 
 K_SCALE_RANGE, V_SCALE_RANGE = 200.0, 100.0
 """``calculate_kv_scales``: a layer's first keys and values map their largest magnitude to these
 (vLLM's ``K_SCALE_CONSTANT`` and ``V_SCALE_CONSTANT``), well inside float8's range."""
-
-
-def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
-    """The dtype the KV cache is stored in."""
-    return KV_CACHE_DTYPES[kv_cache_dtype] or model_dtype
-
-
-def is_fp8(dtype: torch.dtype) -> bool:
-    return dtype in FP8_DTYPES
 
 
 def quantize(values: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
