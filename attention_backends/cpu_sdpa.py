@@ -98,7 +98,7 @@ class CpuSdpaMetadata:
 def _graph_plan(common: CommonAttentionMetadata, bs: int, window: int | None) -> StepPlan:
     """A decode batch over a graph's static buffers, one token per request: its own int64
     copies of the sequence lengths and the whole block table (refreshed before each replay by
-    ``update_for_cudagraph``) and the graph's length bound as ``max_len``. No mask: a replayed
+    ``update_for_graph``) and the graph's length bound as ``max_len``. No mask: a replayed
     step only runs the C kernel, which needs none."""
     n = common.num_reqs
     decode = DecodeBatch(
@@ -169,15 +169,15 @@ class CpuSdpaGraphBuilder(CpuSdpaMetadataBuilder):
     """cpu_sdpa's builder, which also makes metadata for decode graphs (``GraphCapturableBuilder``):
     its impl writes nothing for slot -1 and reads nothing past a request's length."""
 
-    def build_for_cudagraph(self, common: CommonAttentionMetadata) -> CpuSdpaMetadata:
+    def build_for_graph(self, common: CommonAttentionMetadata) -> CpuSdpaMetadata:
         """Metadata for a decode graph over the graph runner's static buffers (used by the CPU
-        platform's graphs, ``worker/cpu_graph.py``)."""
+        platform's graphs, ``platforms/cpu_graph.py``)."""
         return CpuSdpaMetadata(
             common.slot_mapping, common.num_actual_tokens, common, self.kv_cache_spec.block_size,
             for_graph=True,
         )
 
-    def update_for_cudagraph(self, metadata: CpuSdpaMetadata, common: CommonAttentionMetadata) -> None:
+    def update_for_graph(self, metadata: CpuSdpaMetadata, common: CommonAttentionMetadata) -> None:
         """Copy the new step's lengths and block table into each plan's buffers."""
         for plan in metadata.plans.values():
             assert plan.decode is not None

@@ -51,12 +51,12 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder):
             slot_mapping=common.slot_mapping,
         )
 
-    def build_for_cudagraph(self, common: CommonAttentionMetadata) -> FlashAttentionMetadata:
+    def build_for_graph(self, common: CommonAttentionMetadata) -> FlashAttentionMetadata:
         """Metadata over the CUDA-graph runner's static buffers; ``common.max_seq_len`` must be
         the longest context any replay will see (it sizes the kernel's split-KV launch)."""
         return self.build(common)
 
-    def update_for_cudagraph(
+    def update_for_graph(
         self, metadata: FlashAttentionMetadata, common: CommonAttentionMetadata
     ) -> None:
         torch.cumsum(common.seq_lens, 0, dtype=torch.int32, out=metadata.cu_seqlens_k[1:])

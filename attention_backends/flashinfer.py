@@ -95,7 +95,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
             common.num_actual_tokens, common.slot_mapping, decode, wrapper, self._pages(common)
         )
 
-    def build_for_cudagraph(self, common: CommonAttentionMetadata) -> FlashInferMetadata:
+    def build_for_graph(self, common: CommonAttentionMetadata) -> FlashInferMetadata:
         """A decode wrapper of its own for this graph's batch size, over persistent page buffers
         that ``plan`` refills before every replay."""
         num_reqs = common.num_reqs
@@ -113,7 +113,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
             common.num_actual_tokens, common.slot_mapping, True, wrapper, self._pages(common)
         )
 
-    def update_for_cudagraph(
+    def update_for_graph(
         self, metadata: FlashInferMetadata, common: CommonAttentionMetadata
     ) -> None:
         """Re-plan the graph's wrapper for the new step (outside the graph, as FlashInfer

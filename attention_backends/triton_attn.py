@@ -69,11 +69,11 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
             slot_mapping=common.slot_mapping,
         )
 
-    def build_for_cudagraph(self, common: CommonAttentionMetadata) -> TritonAttentionMetadata:
-        """Metadata over the CUDA-graph runner's static buffers (see ``worker/cuda_graph.py``)."""
+    def build_for_graph(self, common: CommonAttentionMetadata) -> TritonAttentionMetadata:
+        """Metadata over the CUDA-graph runner's static buffers (see ``interfaces/decode_graph.py``)."""
         return self.build(common)
 
-    def update_for_cudagraph(
+    def update_for_graph(
         self, metadata: TritonAttentionMetadata, common: CommonAttentionMetadata
     ) -> None:
         """Nothing is derived from the static buffers, so nothing to refresh before a replay."""

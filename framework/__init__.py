@@ -13,7 +13,7 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from tokenmill.entrypoints.llm import LLM
-    from tokenmill.interfaces.model import ModelRegistry
+    from tokenmill.plugins import ModelRegistry
     from tokenmill.outputs import CompletionOutput, RequestOutput
     from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -23,7 +23,7 @@ _LAZY = {
     "StructuredOutputsParams": "tokenmill.sampling_params",
     "RequestOutput": "tokenmill.outputs",
     "CompletionOutput": "tokenmill.outputs",
-    "ModelRegistry": "tokenmill.interfaces.model",
+    "ModelRegistry": "tokenmill.plugins",
 }
 
 

@@ -367,3 +367,28 @@ def register_quantization_method(name: str, target: str | type) -> None:
 def register_tool_parser(name: str, target: str | type) -> None:
     """``register("tool_parsers", name, target)``."""
     register("tool_parsers", name, target)
+
+
+class ModelRegistry:
+    """Architecture name -> lazily imported model class, filled by ``register_models`` hooks."""
+
+    @staticmethod
+    def register_model(arch: str, target: str | type) -> None:
+        """vLLM's spelling of :func:`register_model`."""
+        register_model(arch, target)
+
+    @staticmethod
+    def supported_archs() -> list[str]:
+        return get_registry("models").names()
+
+    @staticmethod
+    def resolve(architectures: list[str] | None) -> tuple[type, str]:
+        """The first registered class among ``architectures`` and its name."""
+        registry = get_registry("models")
+        for arch in architectures or []:
+            if arch in registry:
+                return registry.choose(arch), arch
+        raise ValueError(
+            f"model architectures {architectures} are not supported; "
+            f"registered: {', '.join(registry.names()) or 'none'}{registry.filter_suffix()}"
+        )

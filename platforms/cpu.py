@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from tokenmill.layers.layernorm import ResidualSum, RMSNorm
     from tokenmill.layers.rotary_embedding import RotaryEmbedding
     from tokenmill.layers.vocab_embedding import VocabParallelEmbedding
-    from tokenmill.worker.cuda_graph import DecodeGraphRunner
+    from tokenmill.interfaces.decode_graph import DecodeGraphRunner
 
 
 def _cpu_has_fast_bf16() -> bool:
@@ -131,11 +131,11 @@ class CpuPlatform(Platform):
 
     @classmethod
     def decode_graph_runner(cls, config: EngineConfig) -> type[DecodeGraphRunner] | None:
-        """Recorded C kernel calls (``tokenmill.worker.cpu_graph``) where the kernels load and
+        """Recorded C kernel calls (``tokenmill.platforms.cpu_graph``) where the kernels load and
         one process runs the whole model (collectives are not kernel calls)."""
         if cpu_ops.load() is None or config.tensor_parallel_size * config.pipeline_parallel_size > 1:
             return None
-        from tokenmill.worker.cpu_graph import CpuGraphRunner
+        from tokenmill.platforms.cpu_graph import CpuGraphRunner
 
         return CpuGraphRunner
 

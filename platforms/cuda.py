@@ -16,6 +16,7 @@ from tokenmill.interfaces.platform import Platform
 
 if TYPE_CHECKING:
     from tokenmill.config import EngineConfig
+    from tokenmill.interfaces.decode_graph import DecodeGraphRunner
 
 BF16_MIN_CAPABILITY = (8, 0)
 
@@ -73,10 +74,14 @@ class CudaPlatform(Platform):
             )
 
     @classmethod
-    def supports_cuda_graphs(cls, config: EngineConfig) -> bool:
-        """Single-GPU engines only: tensor-parallel ranks run eager (their collectives are
-        not captured)."""
-        return config.tensor_parallel_size == 1
+    def decode_graph_runner(cls, config: EngineConfig) -> type[DecodeGraphRunner] | None:
+        """CUDA graphs (``tokenmill.platforms.cuda_graph``), for single-GPU engines only:
+        tensor-parallel ranks run eager (their collectives are not captured)."""
+        if config.tensor_parallel_size != 1:
+            return None
+        from tokenmill.platforms.cuda_graph import CudaGraphRunner
+
+        return CudaGraphRunner
 
     @classmethod
     def device(cls, rank: int = 0) -> torch.device:

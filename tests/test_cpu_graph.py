@@ -1,4 +1,4 @@
-"""CPU decode graphs (``worker/cpu_graph.py``): captured where a decode forward is only C kernel
+"""CPU decode graphs (``platforms/cpu_graph.py``): captured where a decode forward is only C kernel
 calls, refused where it runs torch compute, and a replayed step gives the eager engine's
 tokens, padded batch sizes included."""
 
@@ -8,7 +8,7 @@ import pytest
 
 from conftest import make_tiny_checkpoint
 from tokenmill import LLM, SamplingParams
-from tokenmill.worker.cpu_graph import CpuGraphRunner
+from tokenmill.platforms.cpu_graph import CpuGraphRunner
 
 ENGINE = dict(block_size=8, max_model_len=256, num_kv_blocks=128, enable_prefix_caching=False)
 PROMPTS = [[(7 * i + j) % 250 + 3 for j in range(5 + 3 * i)] for i in range(10)]
@@ -107,7 +107,7 @@ def test_kernel_calls_of_other_threads_are_not_recorded():
     import torch
 
     from tokenmill.ops import cpu as cpu_ops
-    from tokenmill.worker.cpu_graph import _Recorder
+    from tokenmill.platforms.cpu_graph import _Recorder
 
     x, weight = torch.randn(2, 16), torch.ones(16)
     with _Recorder() as recorder:

@@ -112,7 +112,7 @@ def test_teacher_forced_tokens_agree_with_llamacpp(llm):
 
 
 def test_decode_graphs_give_the_eager_tokens(llm):
-    """The CPU decode graphs (``worker/cpu_graph.py``) capture the block kernels' decode steps,
+    """The CPU decode graphs (``platforms/cpu_graph.py``) capture the block kernels' decode steps,
     and their tokens are the eager engine's."""
     graphs = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner.graphs
     assert graphs is not None and sorted(graphs.graphs) == list(range(1, 9))

@@ -51,7 +51,7 @@ def test_flash_attn_metadata_cumulates_context_lengths():
     metadata = builder.build(batch.common)
     assert metadata.cu_seqlens_k.tolist() == [0, 41, 50, 57]
     batch.common.seq_lens[:] = torch.tensor([3, 0, 2])
-    builder.update_for_cudagraph(metadata, batch.common)
+    builder.update_for_graph(metadata, batch.common)
     assert metadata.cu_seqlens_k.tolist() == [0, 3, 3, 5]
 
 

@@ -11,7 +11,8 @@ from paged_batches import usable_backend
 from tokenmill.config import EngineConfig
 from tokenmill.forward_context import set_forward_context
 from tokenmill.interfaces.attention import CommonAttentionMetadata
-from tokenmill.worker.cuda_graph import CudaGraphRunner, capture_sizes
+from tokenmill.interfaces.decode_graph import capture_sizes
+from tokenmill.platforms.cuda_graph import CudaGraphRunner
 from tokenmill.worker.model_runner import ModelRunner
 
 BLOCKS_PER_REQ = 4

@@ -13,8 +13,9 @@ from tokenmill.platforms.cpu import CpuPlatform
 from tokenmill.platforms.cuda import CudaPlatform
 from tokenmill.platforms.rocm import RocmPlatform
 from tokenmill.selector import select_platform
-from tokenmill.worker.cpu_graph import CpuGraphRunner
-from tokenmill.worker.cuda_graph import CudaGraphRunner, DecodeGraphRunner
+from tokenmill.platforms.cpu_graph import CpuGraphRunner
+from tokenmill.interfaces.decode_graph import DecodeGraphRunner
+from tokenmill.platforms.cuda_graph import CudaGraphRunner
 
 GiB = 1 << 30
 
@@ -82,10 +83,10 @@ def test_backend_priorities():
 
 
 class _CapturableBuilder:
-    def build_for_cudagraph(self, common):
+    def build_for_graph(self, common):
         return None
 
-    def update_for_cudagraph(self, metadata, common):
+    def update_for_graph(self, metadata, common):
         pass
 
 

@@ -24,7 +24,8 @@ import torch
 from conftest import make_tiny_checkpoint
 from tokenmill import LLM, SamplingParams, cli, plugins
 from tokenmill.attention_backends.torch_ref import TorchRefBackend
-from tokenmill.interfaces import AttentionConfig, ModelRegistry, Platform
+from tokenmill import ModelRegistry
+from tokenmill.interfaces import AttentionConfig, Platform
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.platforms.cpu import CpuPlatform
 from tokenmill.plugins import PluginError

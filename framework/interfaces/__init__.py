@@ -7,8 +7,9 @@ from tokenmill.interfaces.attention import (
     AttentionMetadataBuilder,
     CommonAttentionMetadata,
 )
+from tokenmill.interfaces.decode_graph import DecodeGraphRunner, GraphCapturableBuilder
 from tokenmill.interfaces.kv_cache_spec import FullAttentionSpec, KVCacheSpec, MLAAttentionSpec
-from tokenmill.interfaces.model import CausalLM, ModelRegistry
+from tokenmill.interfaces.model import CausalLM
 from tokenmill.interfaces.platform import Platform
 from tokenmill.interfaces.proposer import FlatInputs, Proposal, ProposalBatch, Proposer, TargetStep
 from tokenmill.interfaces.quantization import LinearMethod, QuantizationMethod
@@ -20,12 +21,13 @@ __all__ = [
     "AttentionMetadataBuilder",
     "CausalLM",
     "CommonAttentionMetadata",
+    "DecodeGraphRunner",
     "FlatInputs",
     "FullAttentionSpec",
+    "GraphCapturableBuilder",
     "KVCacheSpec",
     "LinearMethod",
     "MLAAttentionSpec",
-    "ModelRegistry",
     "Platform",
     "Proposal",
     "ProposalBatch",

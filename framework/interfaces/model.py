@@ -1,4 +1,4 @@
-"""The model interface and the registry of architectures."""
+"""The model interface."""
 
 from __future__ import annotations
 
@@ -6,8 +6,6 @@ from collections.abc import Iterable
 from typing import Any, Protocol, runtime_checkable
 
 import torch
-
-from tokenmill import plugins
 
 
 @runtime_checkable
@@ -22,28 +20,3 @@ class CausalLM(Protocol):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor: ...
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Any: ...
-
-
-class ModelRegistry:
-    """Architecture name -> lazily imported model class, filled by ``register_models`` hooks."""
-
-    @staticmethod
-    def register_model(arch: str, target: str | type) -> None:
-        """vLLM's spelling of ``tokenmill.plugins.register_model``."""
-        plugins.register_model(arch, target)
-
-    @staticmethod
-    def supported_archs() -> list[str]:
-        return plugins.get_registry("models").names()
-
-    @staticmethod
-    def resolve(architectures: list[str] | None) -> tuple[type, str]:
-        """The first registered class among ``architectures`` and its name."""
-        registry = plugins.get_registry("models")
-        for arch in architectures or []:
-            if arch in registry:
-                return registry.choose(arch), arch
-        raise ValueError(
-            f"model architectures {architectures} are not supported; "
-            f"registered: {', '.join(registry.names()) or 'none'}{registry.filter_suffix()}"
-        )

@@ -12,7 +12,7 @@ from tokenmill.interfaces.attention import AttentionConfig
 
 if TYPE_CHECKING:
     from tokenmill.config import EngineConfig
-    from tokenmill.worker.cuda_graph import DecodeGraphRunner
+    from tokenmill.interfaces.decode_graph import DecodeGraphRunner
 
 
 OP_NAMES = (
@@ -90,20 +90,10 @@ class Platform:
         return {name: _resolve_op(cls.name, name, op) for name, op in cls.custom_ops.items()}
 
     @classmethod
-    def supports_cuda_graphs(cls, config: EngineConfig) -> bool:
-        """Whether decode steps may be captured and replayed as CUDA graphs (``enforce_eager``
-        turns them off on any platform)."""
-        return False
-
-    @classmethod
     def decode_graph_runner(cls, config: EngineConfig) -> type[DecodeGraphRunner] | None:
-        """The runner that captures and replays decode steps on this platform (see
-        ``tokenmill.worker.cuda_graph``), or None to run every step eagerly: CUDA graphs where
-        :meth:`supports_cuda_graphs`."""
-        if cls.supports_cuda_graphs(config):
-            from tokenmill.worker.cuda_graph import CudaGraphRunner
-
-            return CudaGraphRunner
+        """The platform's :class:`~tokenmill.interfaces.decode_graph.DecodeGraphRunner`
+        subclass that captures and replays decode steps, or None (the default) to run every
+        step eagerly. ``enforce_eager`` turns graphs off whatever this returns."""
         return None
 
     @classmethod

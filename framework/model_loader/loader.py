@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
-from tokenmill.interfaces.model import ModelRegistry
+from tokenmill.plugins import ModelRegistry
 from tokenmill.interfaces.quantization import LinearMethod
 from tokenmill.layers.build_context import BuildContext, model_build_context
 from tokenmill.layers.fused_moe import FusedMoE

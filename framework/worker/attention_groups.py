@@ -24,7 +24,7 @@ from tokenmill.interfaces.attention import (
 from tokenmill.interfaces.kv_cache_spec import KVCacheSpec
 from tokenmill.layers.attention import Attention
 from tokenmill.layers.mla_attention import MLAAttention
-from tokenmill.worker.cuda_graph import GraphCapturableBuilder
+from tokenmill.interfaces.decode_graph import GraphCapturableBuilder
 
 
 @dataclass
@@ -51,16 +51,16 @@ class CapturableLayerMetadataBuilder(LayerMetadataBuilder):
     """A :class:`LayerMetadataBuilder` whose groups' builders all take part in CUDA graphs
     (``GraphCapturableBuilder``), so it does too."""
 
-    def build_for_cudagraph(self, common: CommonAttentionMetadata) -> dict[str, Any]:
+    def build_for_graph(self, common: CommonAttentionMetadata) -> dict[str, Any]:
         metadata: dict[str, Any] = {}
         for group in self.groups:
-            group_metadata = group.builder.build_for_cudagraph(common)
+            group_metadata = group.builder.build_for_graph(common)
             metadata.update(dict.fromkeys(group.layer_names, group_metadata))
         return metadata
 
-    def update_for_cudagraph(self, metadata: dict[str, Any], common: CommonAttentionMetadata) -> None:
+    def update_for_graph(self, metadata: dict[str, Any], common: CommonAttentionMetadata) -> None:
         for group in self.groups:
-            group.builder.update_for_cudagraph(metadata[group.layer_names[0]], common)
+            group.builder.update_for_graph(metadata[group.layer_names[0]], common)
 
 
 def model_attention_layers(model: nn.Module) -> list[Attention | MLAAttention]:

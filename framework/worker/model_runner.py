@@ -33,7 +33,7 @@ from tokenmill.sample.sampler import Penalties, Sampler, SamplerOutput, Sampling
 from tokenmill.sampling_params import GREEDY_TEMPERATURE_EPS, SamplingParams
 from tokenmill.selector import AttentionSelector
 from tokenmill.structured_output.bitmask import apply_grammar_bitmask
-from tokenmill.worker.cuda_graph import DecodeGraphRunner
+from tokenmill.interfaces.decode_graph import DecodeGraphRunner
 from tokenmill.worker import spec_decode
 from tokenmill.worker.attention_groups import (
     LayerMetadataBuilder,

@@ -1,4 +1,5 @@
-"""CUDA graphs for decode-only steps (vLLM's FULL mode).
+"""Decode graphs: a decode step's forward captured once per size and replayed (vLLM's FULL
+CUDA-graph mode, generalised so that each platform says what a capture is).
 
 At start-up the whole model forward is captured once per batch size in ``capture_sizes`` over
 static input and attention-metadata buffers. A decode-only step (every request schedules one
@@ -15,22 +16,24 @@ steps above the largest size.
 
 A backend takes part when its metadata builder implements :class:`GraphCapturableBuilder`.
 :class:`DecodeGraphRunner` holds what every kind of graph shares (static buffers, padding, the
-step's copy-in); the platform names its kind (``Platform.decode_graph_runner``): CUDA graphs
-here, recorded C kernel calls on the CPU (``worker/cpu_graph.py``).
+step's copy-in); a platform subclasses it and names its subclass
+(``Platform.decode_graph_runner``): CUDA graphs on the CUDA platform
+(``tokenmill.platforms.cuda_graph``), recorded C kernel calls on the CPU
+(``tokenmill.platforms.cpu_graph``).
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
-from tokenmill.config import EngineConfig
-from tokenmill.forward_context import set_forward_context
 from tokenmill.interfaces.attention import CommonAttentionMetadata
+
+if TYPE_CHECKING:
+    from tokenmill.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -41,11 +44,11 @@ MAX_CAPTURE_SIZE = 256
 class GraphCapturableBuilder(Protocol):
     """What a metadata builder provides to have decode steps captured."""
 
-    def build_for_cudagraph(self, common: CommonAttentionMetadata) -> Any:
+    def build_for_graph(self, common: CommonAttentionMetadata) -> Any:
         """Metadata for a graph over ``common``'s device tensors, which are static buffers: it
         must read them in place (and may own further persistent buffers)."""
 
-    def update_for_cudagraph(self, metadata: Any, common: CommonAttentionMetadata) -> None:
+    def update_for_graph(self, metadata: Any, common: CommonAttentionMetadata) -> None:
         """Refresh ``metadata`` after the runner wrote a new step into the static buffers
         (``common``'s CPU tensors describe that step, padded); runs before each replay."""
 
@@ -60,8 +63,7 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 
 class DecodeGraphRunner:
     """Captures the model forward for decode-only batches over static buffers and replays it;
-    subclasses say what a capture and a replay are (a CUDA graph here, recorded C kernel calls
-    in ``worker/cpu_graph.py``).
+    subclasses (one per platform) say what a capture and a replay are.
 
     ``max_blocks_per_req`` is the block-table width of the runner's input batch;
     ``max_model_len`` bounds every sequence a replay may see; ``tokens_per_request`` is the
@@ -168,7 +170,7 @@ class DecodeGraphRunner:
         self.slot_mapping[n:size].fill_(-1)
         padded = torch.zeros(size, dtype=torch.int32)
         padded[:n] = seq_lens_cpu
-        self.builder.update_for_cudagraph(graph.metadata, self._common(size, padded))
+        self.builder.update_for_graph(graph.metadata, self._common(size, padded))
         self.replay(graph)
         if isinstance(graph.output, tuple):
             return tuple(t[:n] for t in graph.output)
@@ -189,36 +191,3 @@ class DecodeGraphRunner:
             max_query_len=1,
             max_seq_len=self.max_model_len,
         )
-
-
-@dataclass
-class _Graph:
-    graph: torch.cuda.CUDAGraph
-    metadata: Any
-    output: torch.Tensor | tuple[torch.Tensor, ...]
-
-
-class CudaGraphRunner(DecodeGraphRunner):
-    """CUDA graphs, one per size, sharing one memory pool."""
-
-    @torch.inference_mode()
-    def capture(self) -> None:
-        """Largest size first so the smaller graphs reuse its memory pool. Each size first runs
-        once eagerly (kernel compilation, backend planning)."""
-        pool = torch.cuda.graph_pool_handle()
-        self.seq_lens.fill_(1)
-        self.slot_mapping.fill_(-1)
-        for size in reversed(self.sizes):
-            common = self._common(size, torch.ones(size, dtype=torch.int32))
-            metadata = self.builder.build_for_cudagraph(common)
-            with set_forward_context(metadata):
-                self.model(self.input_ids[:size], self.positions[:size])
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    output = self.model(self.input_ids[:size], self.positions[:size])
-            self.graphs[size] = _Graph(graph, metadata, output)
-        torch.cuda.synchronize()
-
-    def replay(self, graph: _Graph) -> None:
-        graph.graph.replay()

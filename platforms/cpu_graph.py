@@ -3,7 +3,7 @@
 A small batch's decode step on the CPU is mostly Python: each layer walks a dozen modules to
 issue a handful of C kernel calls (``tokenmill.ops.cpu``), most only microseconds of work. Like a
 CUDA graph, a CPU graph records those calls once per number of rows over the static input and
-metadata buffers of :class:`~tokenmill.worker.cuda_graph.DecodeGraphRunner`, and a step of that
+metadata buffers of :class:`~tokenmill.interfaces.decode_graph.DecodeGraphRunner`, and a step of that
 many tokens (decode rows, or a speculative verification's k + 1 tokens per request) replays them
 with no module, dispatcher or allocator between them.
 
@@ -30,7 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tokenmill.forward_context import set_forward_context
 from tokenmill.ops import cpu as cpu_ops
-from tokenmill.worker.cuda_graph import DecodeGraphRunner
+from tokenmill.interfaces.decode_graph import DecodeGraphRunner
 
 logger = logging.getLogger(__name__)
 
@@ -138,7 +138,7 @@ class CpuGraphRunner(DecodeGraphRunner):
 
     def _capture(self, size: int) -> CpuGraph:
         common = self._common(size, torch.ones(size, dtype=torch.int32))
-        metadata = self.builder.build_for_cudagraph(common)
+        metadata = self.builder.build_for_graph(common)
         ids, positions = self.input_ids[:size], self.positions[:size]
         with set_forward_context(metadata):
             expected = [t.clone() for t in _tensors(self.model(ids, positions))]
