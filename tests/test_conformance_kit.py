@@ -139,7 +139,41 @@ def test_example_plugin_passes(tmp_path, example_plugin_site):
         "platform 'example'": "5 of 5 contract points passed",
         "model 'GPT2LMHeadModel'": "5 of 5 contract points passed",
         "proposer 'corpus-lookup'": "4 of 4 contract points passed",
+        "plugin 'example'": "1 of 1 contract points passed",
     }, result.stdout[-4000:]
+
+
+LEAKY_PLUGIN = {
+    "leaky_plugin/__init__.py": (
+        "from tokenmill import hookimpl\n\n\n"
+        "@hookimpl\n"
+        "def register_tool_parsers(register):\n"
+        "    register('leaky', 'leaky_plugin.parser:LeakyParser')\n"
+    ),
+    "leaky_plugin/parser.py": (
+        "from tokenmill.interfaces import Platform\n\n\n"
+        "class LeakyParser:\n"
+        "    def batch(self):\n"
+        "        from tokenmill.worker.input_batch import InputBatch\n\n"
+        "        return InputBatch\n"
+    ),
+    "leaky_plugin-0.1.dist-info/METADATA": "Metadata-Version: 2.1\nName: leaky-plugin\nVersion: 0.1\n",
+    "leaky_plugin-0.1.dist-info/entry_points.txt": "[tokenmill.plugins]\nleaky = leaky_plugin\n",
+}
+"""An installed distribution whose plugin reaches into ``tokenmill.worker`` (lazily)."""
+
+
+def test_plugin_importing_internals_fails_the_imports_point(tmp_path):
+    site = tmp_path / "site"
+    for name, text in LEAKY_PLUGIN.items():
+        (site / name).parent.mkdir(parents=True, exist_ok=True)
+        (site / name).write_text(text)
+    result = run_kit(tmp_path, "--tokenmill-plugin", "leaky", pythonpath=[site])
+    out = result.stdout
+    assert result.returncode == 1, out[-6000:] + result.stderr[-3000:]
+    assert summary(out) == {"plugin 'leaky'": "0 of 1 contract points passed"}, out[-4000:]
+    assert "FAILED" in out and "test_imports_only_the_public_api[leaky]" in out
+    assert "leaky_plugin.parser -> tokenmill.worker.input_batch (line 6)" in out, out[-4000:]
 
 
 @pytest.mark.parametrize(

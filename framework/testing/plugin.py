@@ -13,6 +13,7 @@ only they run. A summary lists each part's contract points."""
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +28,10 @@ SUITES = {
 }
 """kind -> (suite module, the fixture naming the part under test, the option picking one)."""
 
+IMPORTS_SUITE = "tokenmill.testing.suite_imports"
+"""The suite of each ``--tokenmill-plugin NAME``'s package (its fixture:
+``tokenmill_plugin_package``)."""
+
 MLA_BACKEND_SUITE = "tokenmill.testing.suite_mla_backend"
 """The suite of attention backends whose ``is_mla()`` is true, instead of ``suite_backend``."""
 
@@ -36,6 +41,7 @@ LABELS = {
     "models": "model",
     "proposers": "proposer",
     "quantization_methods": "quantization method",
+    "plugin": "plugin",
 }
 
 
@@ -120,6 +126,25 @@ def selected_parts(config) -> dict[str, list[str]]:
     return {kind: names for kind, names in parts.items() if names}
 
 
+def plugin_packages(config) -> dict[str, str]:
+    """``--tokenmill-plugin`` name -> the package its entry point lives in: a third party's
+    top-level package, or ``tokenmill.<plugin package>``; plugins that are part of tokenmill's
+    core (its commands, its tool parsers) have none."""
+    from tokenmill import plugins
+    from tokenmill.testing.layering import PLUGIN_PACKAGES
+
+    packages = {}
+    for ep in importlib.metadata.entry_points(group=plugins.ENTRY_POINT_GROUP):
+        if ep.name not in config.getoption("--tokenmill-plugin"):
+            continue
+        parts = ep.module.split(".")
+        if parts[0] != plugins.PROJECT:
+            packages[ep.name] = parts[0]
+        elif len(parts) > 1 and parts[1] in PLUGIN_PACKAGES:
+            packages[ep.name] = ".".join(parts[:2])
+    return packages
+
+
 def suite_of(kind: str, name: str) -> str:
     """The suite module that checks part ``name`` of ``kind``."""
     if kind != "attention_backends":
@@ -145,6 +170,9 @@ def pytest_configure(config) -> None:
 
 
 def pytest_generate_tests(metafunc) -> None:
+    if "tokenmill_plugin_package" in metafunc.fixturenames:
+        packages = plugin_packages(metafunc.config)
+        metafunc.parametrize("tokenmill_plugin_package", list(packages.values()), ids=list(packages), scope="module")
     for kind, (_, fixture, _) in SUITES.items():
         if fixture in metafunc.fixturenames:
             names = [
@@ -161,6 +189,14 @@ def pytest_collection_modifyitems(session, config, items) -> None:
     if not _active(config):
         return
     outcomes = config.stash.setdefault(_OUTCOMES, {})
+    if plugin_packages(config):
+        suite = importlib.import_module(IMPORTS_SUITE)
+        module = pytest.Module.from_parent(session, path=Path(suite.__file__))
+        module.obj = suite
+        for item in module.collect():
+            point = (item.function.__doc__ or item.name).strip().splitlines()[0]
+            outcomes[item.nodeid] = Outcome("plugin", item.callspec.id, point)
+            items.append(item)
     for kind, names in selected_parts(config).items():
         for suite_name in dict.fromkeys(suite_of(kind, name) for name in names):
             suite = importlib.import_module(suite_name)
