@@ -120,7 +120,7 @@ class EngineArgs:
     watermark: float = _arg(
         0.01, "fraction of KV blocks kept free when admitting new requests, in [0, 1)"
     )
-    enforce_eager: bool = _arg(False, "run without CUDA graphs")
+    enforce_eager: bool = _arg(False, "run every step eagerly: no decode graphs (CUDA graphs, CPU graphs)")
     logprobs_mode: LogprobsMode = _arg(
         "raw_logprobs",
         "what sample logprobs report: raw_logprobs (of the model's logits, before penalties, "

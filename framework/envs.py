@@ -73,7 +73,8 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
         "list",
         None,
         "comma-separated entry-point names of the plugins to load (the built-ins: platforms, "
-        "attention_backends, models, spec_decode, commands); unset: all installed",
+        "attention_backends, models, spec_decode, quantization, commands, tool_parsers); unset: all "
+        "installed",
     ),
     "TOKENMILL_PLATFORM": EnvVar(
         "str", None, "platform to use instead of auto-detection; the platform argument wins"

@@ -113,11 +113,3 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_queue.append(block)
 
-    def reset_prefix_cache(self) -> bool:
-        """Forget every cached hash; only possible while no block is in use."""
-        if self.get_num_free_blocks() != self.num_blocks:
-            return False
-        for block in self.blocks:
-            block.block_hash = None
-        self.cached.clear()
-        return True

@@ -123,5 +123,3 @@ class KVCacheManager:
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
 
-    def reset_prefix_cache(self) -> bool:
-        return self.pool.reset_prefix_cache()

@@ -90,16 +90,6 @@ def get_hash_function(algo: str) -> HashFunction:
     return _HASH_FUNCTIONS[algo]
 
 
-def hash_block_tokens(
-    parent_hash: BlockHash | None,
-    token_ids: Sequence[int],
-    extra_keys: ExtraKeys | None = None,
-    algo: str = "sha256",
-) -> BlockHash:
-    """Hash of one full block under ``algo``."""
-    return get_hash_function(algo)(parent_hash, token_ids, extra_keys)
-
-
 def request_extra_keys(request: Request, block_index: int) -> ExtraKeys | None:
     """Keys besides the tokens that must match for a block to be shared. The salt goes into
     the first block only: every later hash chains it."""

@@ -49,7 +49,3 @@ class SchedulerOutput:
     """Requests that sample this step under a structured-output constraint."""
     grammar_bitmask: np.ndarray | None = None
     """int32 ``[len(structured_output_request_ids), ceil(V / 32)]``: the tokens each may sample."""
-
-    @property
-    def is_empty(self) -> bool:
-        return self.total_num_scheduled_tokens == 0

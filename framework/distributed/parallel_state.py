@@ -45,10 +45,6 @@ def set_tensor_model_parallel_group(group: dist.ProcessGroup | None) -> None:
     _TP_GROUP = group
 
 
-def get_tensor_model_parallel_group() -> dist.ProcessGroup | None:
-    return _TP_GROUP
-
-
 def get_tensor_model_parallel_world_size() -> int:
     if not dist.is_available() or not dist.is_initialized():
         return 1

@@ -26,7 +26,6 @@ class BuildContext:
     selector, which chooses each layer's (see :meth:`attention_backend`)."""
     dtype: torch.dtype = torch.float32
     quant_method: QuantizationMethod | None = None
-    kv_cache_dtype: str = "auto"
     ops: Mapping[str, Callable[..., Any]] = field(default_factory=dict)
     """The platform's op table (``Platform.get_ops()``): op name -> replacement forward."""
     calculate_kv_scales: bool = False

@@ -104,7 +104,6 @@ class ModelRunner:
             self.attn_selector,
             self.config.torch_dtype,
             quant,
-            self.config.kv_cache_dtype,
             self.config.platform_cls.get_ops(),
             self.config.calculate_kv_scales,
         )
