@@ -36,6 +36,7 @@ from tokenmill.interfaces.attention import (
     AttentionMetadataBuilder,
 )
 from tokenmill.layers import kv_cache_quant as kv_quant
+from tokenmill.layers.linear import float_weight
 from tokenmill.kv_cache_dtype import KV_CACHE_DTYPES
 
 
@@ -65,8 +66,8 @@ class TorchMLAImpl(TorchRefImpl):
         self.kv_b_proj = kv_b_proj
 
     def kv_b_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views ``(W_UK [H, nope, L], W_UV [H, v, L])`` of ``kv_b_proj``'s weight."""
-        w = self.kv_b_proj.weight.view(
+        """Views ``(W_UK [H, nope, L], W_UV [H, v, L])`` of ``kv_b_proj``'s float weight."""
+        w = float_weight(self.kv_b_proj).view(
             self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank
         )
         return w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim :]

@@ -154,7 +154,7 @@ class DeepseekV2MoE(nn.Module):
         topk_method = getattr(config, "topk_method", None) or ("noaux_tc" if v3 else "greedy")
         grouped = topk_method in ("group_limited_greedy", "noaux_tc")
         self.gate = ReplicatedLinear(
-            config.hidden_size, config.n_routed_experts, bias=False, prefix=f"{prefix}.gate"
+            config.hidden_size, config.n_routed_experts, bias=False, prefix=f"{prefix}.gate", quantize=False
         )
         shared = None
         if getattr(config, "n_shared_experts", None):

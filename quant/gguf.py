@@ -31,6 +31,7 @@ from torch import nn
 from tokenmill import envs
 from tokenmill.interfaces.quantization import LinearMethod, QuantizationMethod
 from tokenmill.ops import cpu as cpu_ops
+from tokenmill.quant.base import workspace
 
 logger = logging.getLogger(__name__)
 
@@ -39,9 +40,6 @@ KERNEL_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q8_0)
 GEMV_MAX_ROWS = 8
 """Activation rows up to which the blocks are multiplied directly; more are dequantized for a
 float GEMM."""
-
-_scratch = torch.empty(0)
-
 
 class GGUFConfig(QuantizationMethod):
     """Quantized blocks of a GGUF file in every linear layer and the LM head."""
@@ -161,11 +159,9 @@ def matmul(qtype: Q, qweight: torch.Tensor, x: torch.Tensor, n: int) -> torch.Te
 
 
 def dequantize(qtype: Q, qweight: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    """The [n, k] float32 weights of ``qweight``, in a buffer reused by the next call."""
-    global _scratch
-    if _scratch.numel() < n * k:
-        _scratch = torch.empty(n * k)
-    out = _scratch[: n * k].view(n, k)
+    """The [n, k] float32 weights of ``qweight``, in the thread's :func:`workspace`, reused by
+    the next call."""
+    out = workspace(n, k)
     cpu_ops.load().gguf_dequantize(
         int(qtype), qweight.data_ptr(), qweight.shape[1], n, k, out.data_ptr(), torch.get_num_threads()
     )

@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.interfaces.quantization import LinearMethod, QuantizationMethod
+from tokenmill.interfaces.quantization import FusedMoEMethod, LinearMethod, QuantizationMethod
 from tokenmill.ops import cpu_quant
-from tokenmill.quant.base import OnlineQuantizedLinearMethod, workspace
+from tokenmill.quant.base import OnlineQuantizedFusedMoEMethod, OnlineQuantizedLinearMethod, workspace
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,18 +98,21 @@ class W8A8LinearMethod(OnlineQuantizedLinearMethod):
 
 
 class Int8Config(QuantizationMethod):
-    """``quantization="int8"``: every linear layer of the model and the LM head (a tied head
+    """``quantization="int8"``: every linear layer of the model, the LM head (a tied head
     quantizes its own copy of the embedding, as llama.cpp's Q8_0 files do; the embedding's rows
-    stay float). At one token per step the float32 head alone is as many bytes as all the int8
-    layers."""
+    stay float) and the MoE experts. At one token per step the float32 head alone is as many
+    bytes as all the int8 layers."""
 
-    linear_method_cls: type[LinearMethod] = Int8LinearMethod
+    linear_method_cls: type[OnlineQuantizedLinearMethod] = Int8LinearMethod
 
     def get_linear_method(self, layer: nn.Module, prefix: str) -> LinearMethod:
         return self.linear_method_cls()
 
     def get_lm_head_method(self, layer: nn.Module, prefix: str) -> LinearMethod:
         return self.linear_method_cls()
+
+    def get_moe_method(self, layer: nn.Module, prefix: str) -> FusedMoEMethod:
+        return OnlineQuantizedFusedMoEMethod(self.linear_method_cls)
 
 
 class W8A8Int8Config(Int8Config):

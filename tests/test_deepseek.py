@@ -166,3 +166,30 @@ def test_plugins_command_lists_deepseek_models_and_mla_backends(capsys):
         assert "from tokenmill" in lines[name]
     assert "unavailable" not in lines["torch_mla"], "an MLA backend is checked against an MLA model"
     assert "triton_mla" in lines
+
+
+@pytest.fixture(scope="module")
+def v3_checkpoint(tmp_path_factory):
+    path, hf = save_deepseek(tmp_path_factory.mktemp("v3_quant"), "v3")
+    rng = random.Random(1)
+    prompts = [[rng.randrange(COMMON["vocab_size"]) for _ in range(n)] for n in (5, 17, 33)]
+    return path, prompts, [hf_greedy(hf, p, NUM_TOKENS) for p in prompts]
+
+
+@pytest.mark.parametrize("method", ["int8", "w8a8"])
+def test_quantized_experts_match_hf(v3_checkpoint, method):
+    """int8 / w8a8 quantize every linear layer of DeepSeek-V3 (MLA dequantizes ``kv_b_proj``
+    once for its absorbed forms) and its MoE experts (each expert's two projections by the
+    method's linear kernels): greedy tokens still match the float HF model by the top-5 rule,
+    and the experts hold int8 codes, not the float stacks."""
+    from tokenmill.layers.fused_moe import FusedMoE
+
+    path, prompts, refs = v3_checkpoint
+    llm = LLM(model=path, num_kv_blocks=128, block_size=BLOCK_SIZE, max_model_len=256, quantization=method)
+    model = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner.model
+    moes = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    assert moes
+    for moe in moes:
+        assert not hasattr(moe, "w13_weight") and not hasattr(moe, "w2_weight")
+        assert all(p.weight.dtype == torch.int8 for pair in moe.quantized_experts for p in pair)
+    _generate_and_check(llm, prompts, refs)

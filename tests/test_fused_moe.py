@@ -152,3 +152,42 @@ def test_triton_fused_moe_matches_loop_reference():
     assert sorted(p for p in sorted_pairs.tolist() if p < 42) == list(range(42))
     out = fused_experts_triton(*(t.to(device) for t in (x, w13, w2, topk_weights, topk_ids)))
     assert (out.cpu() - loop_reference(x, w13, w2, topk_weights, topk_ids)).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("method", ["int8", "w8a8"])
+def test_quantized_experts_equal_their_dequantized_weights(method):
+    """A quantization method's MoE method: each expert's projections quantized by its linear
+    method, the float stacks dropped, the output that of the dequantized experts (w8a8 also
+    rounds the activations to int8 per row)."""
+    from tokenmill import plugins
+    from tokenmill.platforms.cpu import CpuPlatform
+
+    quant = plugins.get_registry("quantization_methods").load(method)()
+    w13, w2 = _weights(8)
+    with model_build_context(BuildContext(TorchRefBackend, quant_method=quant, ops=CpuPlatform.get_ops())):
+        moe = FusedMoE(E, 2, H, I)
+    moe.w13_weight.data.copy_(w13)
+    moe.w2_weight.data.copy_(w2)
+    moe.process_weights_after_loading()
+    assert not hasattr(moe, "w13_weight") and len(moe.quantized_experts) == E
+    method_13, method_2 = moe.moe_method.gate_up_method, moe.moe_method.down_method
+    dq13 = torch.stack([method_13.dequantize(pair[0]) for pair in moe.quantized_experts])
+    dq2 = torch.stack([method_2.dequantize(pair[1]) for pair in moe.quantized_experts])
+    assert (dq13 - w13).abs().max() < 0.01 and (dq2 - w2).abs().max() < 0.01
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(7, H, generator=gen)
+    topk_ids = torch.tensor([[0, 1], [0, 3], [4, 0], [6, 1], [3, 4], [0, 6], [1, 3]])
+    topk_weights = torch.rand(7, 2, generator=gen)
+    expected = loop_reference(x, dq13, dq2, topk_weights, topk_ids)
+    out = moe.moe_method.apply(moe, x, topk_weights, topk_ids)
+    tolerance = 1e-4 if method == "int8" else 0.02 * expected.abs().max()
+    assert (out - expected).abs().max() < tolerance
+
+
+def test_a_method_without_moe_support_is_refused_by_name():
+    from tokenmill import plugins
+
+    quant = plugins.get_registry("quantization_methods").load("int4")()
+    with model_build_context(BuildContext(TorchRefBackend, quant_method=quant)):
+        with pytest.raises(NotImplementedError, match="mlp.experts: quantization method Int4Config does not quantize MoE experts"):
+            FusedMoE(E, 2, H, I, prefix="mlp.experts")

@@ -12,7 +12,7 @@ from tokenmill.interfaces.kv_cache_spec import FullAttentionSpec, KVCacheSpec, M
 from tokenmill.interfaces.model import CausalLM
 from tokenmill.interfaces.platform import Platform
 from tokenmill.interfaces.proposer import FlatInputs, Proposal, ProposalBatch, Proposer, TargetStep
-from tokenmill.interfaces.quantization import LinearMethod, QuantizationMethod
+from tokenmill.interfaces.quantization import FusedMoEMethod, LinearMethod, QuantizationMethod
 
 __all__ = [
     "AttentionBackend",
@@ -24,6 +24,7 @@ __all__ = [
     "DecodeGraphRunner",
     "FlatInputs",
     "FullAttentionSpec",
+    "FusedMoEMethod",
     "GraphCapturableBuilder",
     "KVCacheSpec",
     "LinearMethod",

@@ -1,9 +1,10 @@
-"""The quantization-method interface: how a linear layer creates, loads and applies weights."""
+"""The quantization-method interface: how a linear layer creates, loads and applies weights,
+and how a fused-MoE layer computes its experts."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -33,6 +34,20 @@ class LinearMethod(ABC):
         raise NotImplementedError(f"{type(self).__name__} does not implement dequantize")
 
 
+class FusedMoEMethod(Protocol):
+    """How a fused-MoE layer (``tokenmill.layers.fused_moe.FusedMoE``, stacked float weights
+    ``w13_weight`` [E, 2I, H] and ``w2_weight`` [E, H, I] as loaded) computes its routed experts:
+    ``UnquantizedFusedMoEMethod``, a platform's replacement, or a quantization method's."""
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Repack or quantize the layer's experts once the checkpoint is in."""
+
+    def apply(
+        self, layer: nn.Module, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """The routed experts' weighted sum for each token of ``hidden_states`` [T, H]."""
+
+
 class QuantizationMethod(ABC):
     """A registered quantization scheme, built from a checkpoint's ``quantization_config`` or
     the ``quantization=`` argument; registered under its name."""
@@ -54,4 +69,9 @@ class QuantizationMethod(ABC):
         """The method for the LM head (a ``ParallelLMHead``), whose float ``weight`` the
         method's weights then replace; a tied head is then not tied, so the checkpoint must
         hold ``lm_head``'s tensors. None (the default) leaves the head unquantized."""
+        return None
+
+    def get_moe_method(self, layer: nn.Module, prefix: str) -> FusedMoEMethod | None:
+        """The method for the fused-MoE layer at ``prefix``; None (the default): the method
+        does not quantize experts, and the engine refuses the model."""
         return None

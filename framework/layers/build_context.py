@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -48,30 +49,32 @@ class BuildContext:
         )
 
 
-_current: BuildContext | None = None
+_current: ContextVar[BuildContext | None] = ContextVar("tokenmill_build_context", default=None)
+"""The context of the model being built, per thread (and asyncio task), like the forward
+context: engines building models in other threads never see it."""
 
 
 @contextmanager
 def model_build_context(ctx: BuildContext) -> Iterator[BuildContext]:
-    global _current
-    previous = _current
-    _current = ctx
+    token = _current.set(ctx)
     try:
         yield ctx
     finally:
-        _current = previous
+        _current.reset(token)
 
 
 def current_build_context() -> BuildContext:
-    if _current is None:
+    ctx = _current.get()
+    if ctx is None:
         raise RuntimeError(
             "tokenmill layers must be built inside model_build_context() "
             "(the model loader sets it up)"
         )
-    return _current
+    return ctx
 
 
 def current_ops() -> Mapping[str, Callable[..., Any]]:
     """The op table of the model being built; empty outside :func:`model_build_context`, so a
     layer built by hand computes with its ``forward_native``."""
-    return _current.ops if _current is not None else {}
+    ctx = _current.get()
+    return ctx.ops if ctx is not None else {}

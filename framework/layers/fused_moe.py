@@ -7,10 +7,11 @@ not the weights (DeepSeek-V3), group-limited top-k (``num_expert_group`` groups,
 weights are stacked at load time into ``w13_weight`` [E, 2I, H] (gate rows then up rows) and
 ``w2_weight`` [E, H, I] from per-expert checkpoint tensors.
 
-The computation is the layer's ``moe_method`` (:class:`UnquantizedFusedMoEMethod`, or the
-platform's replacement): on the CPU the (token, expert) pairs are sorted by expert and each
-expert that received tokens runs one pair of GEMMs on contiguous rows; on CUDA the Triton
-fused-MoE kernel does the same in one launch per GEMM.
+The computation is the layer's ``moe_method``: the quantization method's (its
+``get_moe_method``) when the model is quantized, else the platform's ``unquantized_fused_moe``
+op (the CPU's packs each expert for oneDNN; CUDA's runs the Triton fused-MoE kernel, one launch
+per GEMM), else :class:`UnquantizedFusedMoEMethod`: the (token, expert) pairs are sorted by
+expert and each expert that received tokens runs one pair of GEMMs on contiguous rows.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from tokenmill.distributed.parallel_state import (
     get_tensor_model_parallel_world_size,
     tensor_model_parallel_all_reduce,
 )
+from tokenmill.interfaces.quantization import FusedMoEMethod
 from tokenmill.layers.build_context import current_build_context, current_ops
 
 SCORING_FUNCS = ("softmax", "sigmoid")
@@ -127,10 +129,11 @@ def stacked_expert_mlp(w13: torch.Tensor, w2: torch.Tensor) -> ExpertMLP:
 
 
 class UnquantizedFusedMoEMethod:
-    """How a :class:`FusedMoE` layer computes its routed experts from its float weights: the
-    Triton fused-MoE kernel on CUDA, :func:`run_experts_sorted` with :meth:`expert_mlp`
-    elsewhere. A platform's op table may name a subclass under ``"unquantized_fused_moe"``
-    (made with no arguments per layer), e.g. to repack the weights for its GEMM library."""
+    """How a :class:`FusedMoE` layer computes its routed experts from its float weights:
+    :func:`run_experts_sorted` with :meth:`expert_mlp` (a
+    :class:`~tokenmill.interfaces.quantization.FusedMoEMethod`). A platform's op table may name
+    a subclass under ``"unquantized_fused_moe"`` (made with no arguments per layer), e.g. to
+    repack the weights for its GEMM library or to run a fused kernel."""
 
     @staticmethod
     def for_platform() -> UnquantizedFusedMoEMethod:
@@ -153,12 +156,6 @@ class UnquantizedFusedMoEMethod:
         topk_ids: torch.Tensor,
     ) -> torch.Tensor:
         """The routed experts' weighted sum for each token: [T, H] in, [T, H] out."""
-        if hidden_states.is_cuda:
-            from tokenmill.layers.fused_moe_triton import fused_experts_triton
-
-            return fused_experts_triton(
-                hidden_states, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids
-            )
         return run_experts_sorted(
             hidden_states, topk_weights, topk_ids, layer.num_experts,
             self.expert_mlp(layer, hidden_states),
@@ -212,8 +209,6 @@ class FusedMoE(nn.Module):
             )
         if top_k > num_experts:
             raise ValueError(f"{prefix}: top_k {top_k} exceeds the {num_experts} experts")
-        if current_build_context().quant_method is not None:
-            raise NotImplementedError(f"{prefix}: quantized MoE experts are not supported")
         self.num_experts = num_experts
         self.top_k = top_k
         self.hidden_size = hidden_size
@@ -226,7 +221,7 @@ class FusedMoE(nn.Module):
         self.routed_scaling_factor = routed_scaling_factor
         self.shared_experts = shared_experts
         self.prefix = prefix
-        self.moe_method = UnquantizedFusedMoEMethod.for_platform()
+        self.moe_method = self._moe_method(prefix)
         inter = self.intermediate_size_per_partition
         self.w13_weight = nn.Parameter(
             torch.empty(num_experts, 2 * inter, hidden_size), requires_grad=False
@@ -242,6 +237,22 @@ class FusedMoE(nn.Module):
             )
         else:
             self.register_parameter("e_score_correction_bias", None)
+
+    def _moe_method(self, prefix: str) -> FusedMoEMethod:
+        quant = current_build_context().quant_method
+        if quant is None:
+            return UnquantizedFusedMoEMethod.for_platform()
+        method = quant.get_moe_method(self, prefix)
+        if method is None:
+            raise NotImplementedError(
+                f"{prefix}: quantization method {type(quant).__name__} does not quantize MoE "
+                f"experts (it has no get_moe_method)"
+            )
+        return method
+
+    def process_weights_after_loading(self) -> None:
+        """The model loader's post-load hook: the MoE method repacks or quantizes the experts."""
+        self.moe_method.process_weights_after_loading(self)
 
     @staticmethod
     def make_expert_params_mapping(num_experts: int) -> list[tuple[str, str, int, str]]:

@@ -83,14 +83,27 @@ class UnquantizedLinearMethod(LinearMethod):
         return F.linear(x, layer.weight, bias)
 
 
+def float_weight(layer: nn.Module) -> torch.Tensor:
+    """``layer``'s weight ``[out, in]`` in float: the parameter itself when unquantized (or a
+    plain ``nn.Linear``), else its linear method's ``dequantize``, computed on the first call
+    after loading and kept (MLA folds ``kv_b_proj``'s weight into its queries and outputs, as
+    vLLM dequantizes it)."""
+    method = getattr(layer, "linear_method", None)
+    if method is None or isinstance(method, UnquantizedLinearMethod):
+        return layer.weight
+    if (weight := getattr(layer, "dequantized_weight", None)) is None:
+        weight = layer.dequantized_weight = layer.linear_method.dequantize(layer).float()
+    return weight
+
+
 class LinearBase(nn.Module):
     """Common setup: dtype, TP rank/size and the linear method from the build context.
 
-    ``linear_method`` is the layer's :class:`LinearMethod`; the model loader calls its
-    ``process_weights_after_loading`` once the checkpoint is in.
+    ``linear_method`` is the layer's :class:`LinearMethod`; once the checkpoint is in, the
+    model loader calls the layer's :meth:`process_weights_after_loading`, which hands it on.
     """
 
-    def __init__(self, input_size: int, output_size: int, prefix: str = "") -> None:
+    def __init__(self, input_size: int, output_size: int, prefix: str = "", quantize: bool = True) -> None:
         super().__init__()
         ctx = current_build_context()
         self.input_size = input_size
@@ -100,9 +113,12 @@ class LinearBase(nn.Module):
         self.tp_size = get_tensor_model_parallel_world_size()
         self.tp_rank = get_tensor_model_parallel_rank()
         method = None
-        if ctx.quant_method is not None:
+        if ctx.quant_method is not None and quantize:
             method = ctx.quant_method.get_linear_method(self, prefix)
         self.linear_method: LinearMethod = method or UnquantizedLinearMethod.for_platform()
+
+    def process_weights_after_loading(self) -> None:
+        self.linear_method.process_weights_after_loading(self)
 
     def _create_weights(
         self,
@@ -146,12 +162,13 @@ class LinearBase(nn.Module):
 
 
 class ReplicatedLinear(LinearBase):
-    """A linear layer every rank holds whole."""
+    """A linear layer every rank holds whole; ``quantize=False`` keeps it float under any
+    quantization method (a MoE router, whose logits the model computes in float32)."""
 
     def __init__(
-        self, input_size: int, output_size: int, bias: bool = True, prefix: str = ""
+        self, input_size: int, output_size: int, bias: bool = True, prefix: str = "", quantize: bool = True
     ) -> None:
-        super().__init__(input_size, output_size, prefix)
+        super().__init__(input_size, output_size, prefix, quantize)
         self._create_weights(input_size, [output_size], bias, output_size, bias_sharded=False)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:

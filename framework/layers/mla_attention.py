@@ -9,7 +9,7 @@ from tokenmill.forward_context import get_forward_context
 from tokenmill.interfaces.kv_cache_spec import KVCacheSpec, MLAAttentionSpec
 from tokenmill.layers.build_context import current_build_context
 from tokenmill.layers import kv_cache_quant as kv_quant
-from tokenmill.layers.linear import LinearBase, UnquantizedLinearMethod
+from tokenmill.layers.linear import LinearBase
 
 
 class MLAAttention(nn.Module):
@@ -45,8 +45,6 @@ class MLAAttention(nn.Module):
             raise ValueError(
                 f"{prefix}: attention backend {self.backend.get_name()!r} is not an MLA backend"
             )
-        if not isinstance(kv_b_proj.linear_method, UnquantizedLinearMethod):
-            raise NotImplementedError(f"{prefix}: MLA needs an unquantized kv_b_proj")
         self.layer_name = prefix
         self.num_heads = num_heads
         self.num_kv_heads = 1

@@ -116,6 +116,9 @@ class ParallelLMHead(VocabParallelEmbedding):
         shard = self._local_rows(loaded_weight)
         param.data[: shard.shape[0]].copy_(shard)
 
+    def process_weights_after_loading(self) -> None:
+        self.linear_method.process_weights_after_loading(self)
+
     def tie_weights(self, embed_tokens: VocabParallelEmbedding) -> None:
         own = getattr(self, "weight", None)
         if self.quantized and (own is None or own.shape != embed_tokens.weight.shape):

@@ -11,9 +11,7 @@ from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
 from tokenmill.plugins import ModelRegistry
-from tokenmill.interfaces.quantization import LinearMethod
 from tokenmill.layers.build_context import BuildContext, model_build_context
-from tokenmill.layers.fused_moe import FusedMoE
 from tokenmill.model_loader.gguf_file import is_gguf_file, iter_gguf_weights
 from tokenmill.model_loader.weights import iter_weights
 
@@ -49,7 +47,9 @@ def load_model(
     method) into it and return it in eval mode.
 
     A model whose ``load_weights`` returns the set of parameter names it loaded is checked
-    for parameters the checkpoint left uninitialised.
+    for parameters the checkpoint left uninitialised. Then every module that has a
+    ``process_weights_after_loading()`` method gets it called (linear layers and LM heads hand
+    it to their linear method, MoE layers to their MoE method: repacking, quantizing).
     """
     model_cls, arch = ModelRegistry.resolve(getattr(hf_config, "architectures", None))
     previous_dtype = torch.get_default_dtype()
@@ -73,9 +73,6 @@ def load_model(
             if missing:
                 raise ValueError(f"{arch} checkpoint in {model_dir} lacks weights: {missing}")
         for module in model.modules():
-            method = getattr(module, "linear_method", None)
-            if isinstance(method, LinearMethod):
-                method.process_weights_after_loading(module)
-            elif isinstance(module, FusedMoE):
-                module.moe_method.process_weights_after_loading(module)
+            if callable(hook := getattr(module, "process_weights_after_loading", None)):
+                hook()
     return model.eval()
