@@ -17,6 +17,7 @@ from tokenmill.engine_args import (
     EngineArgs,
 )
 from tokenmill.interfaces.platform import Platform
+from tokenmill.interfaces.quantization import QuantizationMethod
 from tokenmill.logprobs import LOGPROBS_MODES
 from tokenmill.kv_cache_dtype import KV_CACHE_DTYPES, kv_cache_torch_dtype
 from tokenmill.speculative_config import SpeculativeConfig
@@ -271,7 +272,8 @@ class EngineConfig(EngineArgs):
     def _check_quantization(self) -> None:
         """Take the checkpoint's ``quant_method`` when ``quantization`` is None, then refuse a
         method that is not registered, that the platform does not run (its
-        ``supported_quantization``, when not empty) or that does not compute in the dtype."""
+        ``supported_quantization``, when not empty), that does not compute in the dtype, that
+        refuses the checkpoint, or that does not load with tensor parallelism when asked to."""
         from tokenmill import plugins
 
         checkpoint = getattr(self.hf_config, "quantization_config", None) or {}
@@ -310,6 +312,25 @@ class EngineConfig(EngineArgs):
                 f"quantization {self.quantization!r} computes in "
                 f"{', '.join(map(str, act_dtypes))}, not {self.torch_dtype}"
             )
+        method = self.quantization_method()
+        if self.tensor_parallel_size > 1 and not method.tensor_parallel:
+            what = "the checkpoint's quantization" if stored else "quantization"
+            raise ValueError(
+                f"{what} {self.quantization!r} does not load sharded over tensor-parallel ranks: "
+                f"tensor_parallel_size={self.tensor_parallel_size} is not supported with it "
+                f"(use tensor_parallel_size=1)"
+            )
+
+    def quantization_method(self) -> QuantizationMethod | None:
+        """The registered ``quantization`` method built from the checkpoint's
+        ``quantization_config`` (None without quantization); raises ``ValueError`` for a
+        checkpoint variant the method refuses."""
+        if self.quantization is None:
+            return None
+        from tokenmill import plugins
+
+        method_cls = plugins.get_registry("quantization_methods").load(self.quantization)
+        return method_cls.from_config(getattr(self.hf_config, "quantization_config", None) or {})
 
     def _resolve_dtype(self) -> torch.dtype:
         stored = getattr(self.hf_config, "dtype", None) or getattr(self.hf_config, "torch_dtype", None)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import math
 import numbers
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from enum import IntEnum
 from typing import Any
 
@@ -286,6 +286,18 @@ class SamplingParams:
             spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
             if len(spaced) == len(plain) and spaced[0] != plain[0]:
                 self.bad_words_token_ids.append(spaced)
+
+    def completion(self, index: int) -> SamplingParams:
+        """The ``n == 1`` params of completion ``index`` of this request, seeded ``seed + index``.
+
+        Derived fields (``init=False``, such as ``bad_words_token_ids``) are copied too:
+        ``dataclasses.replace`` re-runs the constructor, which leaves them at their defaults.
+        Raises ``ValueError`` if the copy is invalid (a seed past 64 bits)."""
+        child = replace(self, n=1, seed=None if self.seed is None else self.seed + index)
+        for f in fields(self):
+            if not f.init:
+                setattr(child, f.name, copy.deepcopy(getattr(self, f.name)))
+        return child
 
     def clone(self) -> SamplingParams:
         """A deep copy, so per-request changes never touch a params object shared by a batch."""

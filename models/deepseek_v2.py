@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 from collections.abc import Iterable
+from functools import partial
 from typing import Any, ClassVar
 
 import torch
@@ -258,7 +259,9 @@ def load_deepseek_weights(
         for fused, original, shard in _GATE_UP_MAPPING:
             if original in name and not _ROUTED_EXPERT.search(name):
                 name = name.replace(original, fused)
-                p = find_param(model, params, name)
+                p = find_param(model, params, name, tensor)
+                if p is None:
+                    break
                 p.weight_loader(p, tensor, shard)
                 seen[name].add(shard)
                 if len(seen[name]) == 2:
@@ -268,15 +271,19 @@ def load_deepseek_weights(
             for param_prefix, ckpt_prefix, expert, shard in expert_mapping:
                 if ckpt_prefix in name:
                     name = name.replace(ckpt_prefix, param_prefix)
-                    p = find_param(model, params, name)
+                    p = find_param(model, params, name, tensor)
+                    if p is None:
+                        break
                     p.weight_loader(p, tensor, expert, shard)
                     seen[name].add((expert, shard))
                     if len(seen[name]) == num_experts * (2 if param_prefix.endswith("w13_") else 1):
                         loaded.add(name)
                     break
             else:
-                p = find_param(model, params, name)
-                getattr(p, "weight_loader", default_weight_loader)(p, tensor)
+                p = find_param(model, params, name, tensor)
+                if p is None:
+                    continue
+                getattr(p, "weight_loader", partial(default_weight_loader, name=name))(p, tensor)
                 loaded.add(name)
     return loaded
 

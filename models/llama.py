@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable
+from functools import partial
 from typing import Any, ClassVar
 
 import torch
@@ -307,15 +308,19 @@ class LlamaForCausalLM(CausalLM):
             for fused, original, shard_id in self.stacked_params_mapping:
                 if original in name:
                     name = name.replace(original, fused)
-                    param = find_param(self, params, name)
+                    param = find_param(self, params, name, tensor)
+                    if param is None:
+                        break
                     param.weight_loader(param, tensor, shard_id)
                     shards_seen[name].add(shard_id)
                     if shards_seen[name] == all_shards[fused]:
                         loaded.add(name)
                     break
             else:
-                param = find_param(self, params, name)
-                getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+                param = find_param(self, params, name, tensor)
+                if param is None:
+                    continue
+                getattr(param, "weight_loader", partial(default_weight_loader, name=name))(param, tensor)
                 loaded.add(name)
         return loaded
 

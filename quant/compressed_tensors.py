@@ -25,6 +25,10 @@ def _ignored(prefix: str, ignore: list[str]) -> bool:
 
 
 class CompressedTensorsConfig(QuantizationMethod):
+    """A compressed-tensors checkpoint of FP8 weights (``quant_method: compressed-tensors``)."""
+
+    tensor_parallel = False
+
     def __init__(self, ignore: list[str]) -> None:
         self.ignore = ignore
 

@@ -92,8 +92,6 @@ class SerializedFp8LinearMethod(Fp8LinearMethod):
     is spread over its tensor's rows, so the shards of a fused layer keep their own scales."""
 
     def create_weights(self, layer, input_size, output_partition_sizes, params_dtype) -> None:
-        if getattr(layer, "tp_size", 1) != 1:
-            raise NotImplementedError(f"{layer.prefix}: FP8 checkpoints load with tensor parallelism 1 only")
         n = sum(output_partition_sizes)
         weight = nn.Parameter(torch.empty(n, input_size, dtype=FP8), requires_grad=False)
         set_weight_attrs(weight, {"input_dim": 1, "output_dim": 0})
@@ -122,6 +120,7 @@ class Fp8Config(QuantizationMethod):
 
     def __init__(self, serialized: bool) -> None:
         self.serialized = serialized
+        self.tensor_parallel = not serialized
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> Fp8Config:

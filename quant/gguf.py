@@ -44,6 +44,8 @@ float GEMM."""
 class GGUFConfig(QuantizationMethod):
     """Quantized blocks of a GGUF file in every linear layer and the LM head."""
 
+    tensor_parallel = False
+
     @classmethod
     def supported_act_dtypes(cls) -> list[torch.dtype]:
         return [torch.float32]

@@ -112,11 +112,7 @@ class PackedCheckpointLinearMethod(Int4LinearMethod):
     """Loads a GPTQ/AWQ checkpoint's tensors as stored, then repacks them into the int4
     layout. Subclasses give the checkpoint shapes and the unpacking."""
 
-    name = ""
-
     def create_weights(self, layer, input_size, output_partition_sizes, params_dtype) -> None:
-        if getattr(layer, "tp_size", 1) != 1:
-            raise NotImplementedError(f"{layer.prefix}: {self.name} checkpoints load with tensor parallelism 1 only")
         self.group_size = input_size if self.group_size == -1 else self.group_size
         check_shape(input_size, self.group_size, layer.prefix)
         n = sum(output_partition_sizes)
@@ -177,8 +173,6 @@ class GPTQLinearMethod(PackedCheckpointLinearMethod):
     """GPTQ: ``qweight`` [K/8, N] packed along K, ``qzeros`` [K/g, N/8] packed along N,
     ``scales`` [K/g, N] fp16, ``g_idx`` [K]. Version-1 checkpoints store ``zero - 1``."""
 
-    name = "gptq"
-
     def __init__(self, group_size: int, zero_offset: int) -> None:
         super().__init__(group_size)
         self.zero_offset = zero_offset
@@ -209,8 +203,6 @@ class GPTQLinearMethod(PackedCheckpointLinearMethod):
 class AWQLinearMethod(PackedCheckpointLinearMethod):
     """AWQ (GEMM layout): ``qweight`` [K, N/8] and ``qzeros`` [K/g, N/8] packed along N in the
     order ``AWQ_ORDER``, ``scales`` [K/g, N] fp16."""
-
-    name = "awq"
 
     def checkpoint_tensors(self, k, n):
         g = max(k // self.group_size, 1)
@@ -257,6 +249,8 @@ def _require_4bit(method: str, bits: int) -> None:
 class GPTQConfig(QuantizationMethod):
     """A GPTQ checkpoint (``quant_method: gptq``): 4 bits, ``desc_act`` off."""
 
+    tensor_parallel = False
+
     def __init__(self, group_size: int, zero_offset: int, skip: list[str]) -> None:
         self.group_size, self.zero_offset, self.skip = group_size, zero_offset, skip
 
@@ -276,6 +270,8 @@ class GPTQConfig(QuantizationMethod):
 
 class AWQConfig(QuantizationMethod):
     """An AWQ checkpoint (``quant_method: awq``, GEMM layout, with zero points)."""
+
+    tensor_parallel = False
 
     def __init__(self, group_size: int, skip: list[str]) -> None:
         self.group_size, self.skip = group_size, skip

@@ -5,6 +5,7 @@ process behind; data parallelism balances requests over engine cores behind the 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import time
@@ -13,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from conftest import make_tiny_checkpoint, save_byte_tokenizer
 from deepseek_checkpoints import save_deepseek
@@ -76,6 +78,84 @@ def test_settings_tensor_parallelism_cannot_honour_are_refused(default_model_dir
         LLM(data_parallel_size=2)
     with pytest.raises(ValueError, match=r"cannot run with engine_process=False"):
         AsyncLLM.from_engine_args(model=make_tiny_checkpoint(tmp_path), data_parallel_size=2, engine_process=False)
+
+
+@pytest.mark.parametrize(
+    "quantization_config",
+    [
+        {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False},
+        {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True},
+        {"quant_method": "fp8", "activation_scheme": "dynamic"},
+        {
+            "quant_method": "compressed-tensors",
+            "config_groups": {"g": {"weights": {"num_bits": 8, "type": "float", "strategy": "channel"}}},
+        },
+    ],
+    ids=lambda c: c["quant_method"],
+)
+def test_checkpoints_that_do_not_shard_are_refused_before_workers_start(tmp_path, quantization_config):
+    """Pre-quantized checkpoints load on one rank only: tensor parallelism is refused when the
+    configuration is resolved, naming the method and the setting (no worker starts)."""
+    path = make_tiny_checkpoint(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = quantization_config
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    method = quantization_config["quant_method"]
+    message = (
+        rf"the checkpoint's quantization '{method}' does not load sharded over tensor-parallel "
+        rf"ranks: tensor_parallel_size=2 is not supported with it \(use tensor_parallel_size=1\)"
+    )
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(model=path, tensor_parallel_size=2).finalize()
+    assert EngineConfig(model=path).finalize().quantization == method
+
+
+def test_gguf_and_online_quantization_with_tensor_parallelism(tmp_path):
+    """The default model's GGUF file is refused at TP=3 when the configuration is resolved;
+    online ``fp8`` of a float checkpoint shards like the float model."""
+    with pytest.raises(ValueError, match=r"quantization 'gguf' does not load sharded over tensor-parallel ranks: tensor_parallel_size=3"):
+        LLM(quantization="gguf", tensor_parallel_size=3)
+    assert EngineConfig(quantization="fp8", tensor_parallel_size=3).finalize().quantization == "fp8"
+
+
+def int8_exact_checkpoint(path: Path) -> str:
+    """A tiny Llama with an untied LM head whose linear and head weights are int8 codes times a
+    per-row scale, with the code 127 in both halves of every row: quantizing any half of a row
+    (a rank's slice at TP=2) or all of it gives these same weights back."""
+    make_tiny_checkpoint(path, tie_word_embeddings=False)
+    file = path / "model.safetensors"
+    tensors = load_file(str(file))
+    for name, w in tensors.items():
+        if w.dim() == 2 and "embed_tokens" not in name:
+            scale = w.abs().amax(dim=1, keepdim=True) / 127
+            codes = torch.round(w / scale).clamp(-127, 127)
+            codes[:, 0] = codes[:, w.shape[1] // 2] = 127
+            tensors[name] = (codes * scale).contiguous()
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    return str(path)
+
+
+def test_tp2_int8_with_an_untied_lm_head_matches_tp1(tmp_path):
+    """The quantized head's weight loads each rank's vocabulary rows: with weights int8 keeps
+    exactly, two ranks give one rank's tokens and logprobs."""
+    path = int8_exact_checkpoint(tmp_path)
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(256, (5, 9, 17), seed=2)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    expected = LLM(path, quantization="int8", **SMALL_CACHE).generate(prompts, params, use_tqdm=False)
+    llm = LLM(path, quantization="int8", tensor_parallel_size=2, **SMALL_CACHE)
+    try:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        shutdown(llm)
+    for out, ref in zip(outputs, expected, strict=True):
+        ours, theirs = out.outputs[0], ref.outputs[0]
+        assert (ours.token_ids, ours.finish_reason) == (theirs.token_ids, theirs.finish_reason)
+        assert ours.cumulative_logprob == pytest.approx(theirs.cumulative_logprob, abs=1e-4)
+        for a, b in zip(ours.logprobs, theirs.logprobs, strict=True):
+            assert a.keys() == b.keys()
+            for token in a:
+                assert a[token].rank == b[token].rank
+                assert a[token].logprob == pytest.approx(b[token].logprob, abs=1e-4)
 
 
 def test_default_model_tp3_matches_tp1(default_model_dir):

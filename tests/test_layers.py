@@ -309,6 +309,27 @@ def test_vocab_tensor_parallel(monkeypatch: pytest.MonkeyPatch) -> None:
     assert full[7].abs().sum() == 0
 
 
+@pytest.mark.parametrize("method", ["int8", "w8a8"])
+def test_quantized_lm_head_loads_its_vocabulary_rows(monkeypatch, method) -> None:
+    """An online-quantized head's weight loads this rank's rows of the full checkpoint tensor
+    (padding rows zero) before it is quantized, as the float head's does."""
+    from tokenmill.quant.int8 import Int8Config, W8A8Int8Config, quantize_int8
+
+    quant = {"int8": Int8Config, "w8a8": W8A8Int8Config}[method]()
+    w = torch.randn(7, 8)
+    for rank in range(2):
+        fake_tp(monkeypatch, vocab_embedding, 2, rank)
+        with model_build_context(BuildContext(attn_backend=TorchRefBackend, quant_method=quant)):
+            head = ParallelLMHead(7, 8, prefix="lm_head")
+        with pytest.raises(ValueError, match=r"lm_head: checkpoint tensor has shape \(8, 8\), expected \(7, 8\)"):
+            head.weight.weight_loader(head.weight, torch.randn(8, 8))
+        head.weight.weight_loader(head.weight, w)
+        head.linear_method.process_weights_after_loading(head)
+        rows = torch.cat([w, torch.zeros(1, 8)])[4 * rank : 4 * rank + 4]
+        codes, scale = quantize_int8(rows)
+        torch.testing.assert_close(head.linear_method.dequantize(head), codes.float() * scale[:, None])
+
+
 # --- checkpoint iteration -----------------------------------------------------------------
 
 

@@ -175,6 +175,30 @@ def test_bad_words_are_never_generated(default_model_dir, default_tokenizer):
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
 
 
+def test_bad_words_hold_for_every_completion_of_n(default_model_dir, default_tokenizer):
+    """Each of the ``n`` completions avoids the bad word exactly as the ``n == 1`` request does
+    (``top_k=1`` makes sampling deterministic, so every field must match; logprobs up to the
+    rounding of a batch of two rows against one)."""
+    llm = LLM(default_model_dir, num_kv_blocks=128, max_model_len=256)
+    prompt = "The capital of France is"
+    first = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    word = default_tokenizer.decode(first[0].outputs[0].token_ids)
+    kwargs = dict(temperature=0.7, top_k=1, max_tokens=8, logprobs=2, bad_words=[word])
+    single = llm.generate([prompt], SamplingParams(**kwargs), use_tqdm=False)[0].outputs[0]
+    assert first[0].outputs[0].token_ids[0] not in single.token_ids
+    pair = llm.generate([prompt], SamplingParams(n=2, **kwargs), use_tqdm=False)[0].outputs
+    assert [c.index for c in pair] == [0, 1]
+    for completion in pair:
+        for name in ("text", "token_ids", "finish_reason", "stop_reason"):
+            assert getattr(completion, name) == getattr(single, name), name
+        assert completion.cumulative_logprob == pytest.approx(single.cumulative_logprob, abs=1e-4)
+        for ours, ref in zip(completion.logprobs, single.logprobs, strict=True):
+            assert ours.keys() == ref.keys()
+            for token, lp in ours.items():
+                assert (lp.rank, lp.decoded_token) == (ref[token].rank, ref[token].decoded_token)
+                assert lp.logprob == pytest.approx(ref[token].logprob, abs=1e-4)
+
+
 def test_bad_words_need_a_tokenizer(tiny):
     with pytest.raises(ValueError, match="bad_words need a tokenizer"):
         tiny.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(bad_words=["x"]), use_tqdm=False)

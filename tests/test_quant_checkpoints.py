@@ -217,3 +217,30 @@ def test_int8_quantizes_the_lm_head_and_keeps_the_embedding_float(tmp_path, tied
     torch.testing.assert_close(
         head.compute_logits(hidden), hidden @ (codes.float() * scale[:, None]).T, rtol=1e-4, atol=1e-4
     )
+
+
+def test_gptq_placeholder_biases_are_skipped_when_zero(tiny, tmp_path):
+    """GPTQ tools store zero ``.bias`` tensors for bias-free layers; they are skipped (as vLLM
+    skips them), and one with non-zero values is refused by name."""
+    quant, ref = tmp_path / "gptq", tmp_path / "reference"
+    _quantized_variant(tiny, quant, "gptq", ref)
+    tensors = load_file(str(quant / "model.safetensors"))
+    for name in [n for n in tensors if n.endswith(".scales")]:
+        tensors[name.replace(".scales", ".bias")] = torch.zeros(tensors[name].shape[1], dtype=torch.float16)
+    save_file(tensors, str(quant / "model.safetensors"))
+    prompts = random_prompts(256)
+    assert engine_greedy(quant, prompts, 12, **ENGINE)[0] == engine_greedy(ref, prompts, 12, **ENGINE)[0]
+    tensors["model.layers.1.self_attn.o_proj.bias"][3] = 0.5
+    save_file(tensors, str(quant / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"checkpoint weight 'model.layers.1.self_attn.o_proj.bias' \(a bias with non-zero values\) has no matching parameter in LlamaForCausalLM"):
+        LLM(model=str(quant), **ENGINE)
+
+
+def test_a_weight_of_the_wrong_shape_is_refused_by_name(tiny, tmp_path):
+    path = tmp_path / "ckpt"
+    shutil.copytree(tiny, path)
+    tensors = load_file(str(path / "model.safetensors"))
+    tensors["model.norm.weight"] = tensors["model.norm.weight"][:32].contiguous()
+    save_file(tensors, str(path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"model.norm.weight: checkpoint tensor has shape \(32,\), parameter has \(64,\)"):
+        LLM(model=str(path), **ENGINE)

@@ -11,6 +11,7 @@ import torch
 from conftest import make_tiny_checkpoint
 from tokenmill import LLM, plugins
 from tokenmill.config import EngineConfig
+from tokenmill.interfaces.quantization import QuantizationMethod
 from tokenmill.platforms.cpu import CpuPlatform
 
 
@@ -29,10 +30,13 @@ def fake_quant(monkeypatch) -> Iterator[str]:
     plugins.reload_plugins()
 
 
-class FakeQuant:
+class FakeQuant(QuantizationMethod):
     @classmethod
     def supported_act_dtypes(cls) -> list[torch.dtype]:
         return [torch.bfloat16]
+
+    def get_linear_method(self, layer, prefix):
+        return None
 
 
 @pytest.mark.parametrize(

@@ -153,3 +153,21 @@ def test_penalty_fields_normalised():
     with pytest.raises(ValueError, match="logit_bias"):
         params.check_token_ids(7)
     params.check_token_ids(8)
+
+
+def test_completion_keeps_every_derived_field():
+    """Each ``n > 1`` child carries the parent's derived (``init=False``) fields, which
+    ``dataclasses.replace`` alone would reset, and is seeded ``seed + index``."""
+    from dataclasses import fields
+
+    parent = SamplingParams(n=3, seed=7, bad_words=["x"])
+    derived = [f.name for f in fields(SamplingParams) if not f.init]
+    assert "bad_words_token_ids" in derived
+    for i, name in enumerate(derived):
+        setattr(parent, name, [[100 + i]])
+    child = parent.completion(2)
+    assert (child.n, child.seed, child.bad_words) == (1, 9, ["x"])
+    for name in derived:
+        assert getattr(child, name) == getattr(parent, name)
+        assert getattr(child, name) is not getattr(parent, name)
+    assert parent.completion(0).seed == 7 and SamplingParams(n=2).completion(1).seed is None

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
@@ -194,11 +194,8 @@ def eos_token_id(tokenizer: PreTrainedTokenizerBase | None, hf_config: Any) -> i
 
 
 def _child_params(params: SamplingParams) -> list[SamplingParams]:
-    """One ``n == 1`` copy of ``params`` per completion, completion i seeded ``seed + i``;
+    """One ``n == 1`` copy of ``params`` per completion (``SamplingParams.completion``);
     raises ``ValueError`` if any copy is invalid."""
     if params.n == 1:
         return [params]
-    return [
-        replace(params, n=1, seed=None if params.seed is None else params.seed + i)
-        for i in range(params.n)
-    ]
+    return [params.completion(i) for i in range(params.n)]

@@ -52,6 +52,11 @@ class QuantizationMethod(ABC):
     """A registered quantization scheme, built from a checkpoint's ``quantization_config`` or
     the ``quantization=`` argument; registered under its name."""
 
+    tensor_parallel: bool = True
+    """Whether its layers load sharded over tensor-parallel ranks. The engine refuses
+    ``tensor_parallel_size > 1``, when it resolves its configuration, for a method that does
+    not (the instance ``from_config`` builds, so a method may decide per checkpoint)."""
+
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> QuantizationMethod:
         return cls()

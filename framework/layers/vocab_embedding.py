@@ -86,8 +86,9 @@ class ParallelLMHead(VocabParallelEmbedding):
     returns float32 logits over the real (unpadded) vocabulary. ``tie_weights`` shares the
     embedding's weight instead of holding its own. The product is ``linear_method`` (whose
     weights the model loader processes once loaded): the quantization method's
-    ``get_lm_head_method`` when it gives one, which then creates the head's weights, else the
-    platform's unquantized one. A quantized head is tied only when its method loads a float
+    ``get_lm_head_method`` when it gives one, which then creates the head's weights (those it
+    gives no ``weight_loader`` load this rank's vocabulary rows, as the float weight does), else
+    the platform's unquantized one. A quantized head is tied only when its method loads a float
     ``weight`` like the embedding's (online quantization, which then quantizes the head's own
     copy); otherwise the checkpoint holds ``lm_head``'s tensors (GGUF).
     """
@@ -109,6 +110,9 @@ class ParallelLMHead(VocabParallelEmbedding):
         if method is not None:
             del self.weight
             method.create_weights(self, embedding_dim, [self.num_embeddings_per_partition], ctx.dtype)
+            for param in self.parameters(recurse=False):
+                if not hasattr(param, "weight_loader"):
+                    param.weight_loader = self.weight_loader
         self.quantized = method is not None
         self.linear_method = method or UnquantizedLinearMethod.for_platform()
 

@@ -63,23 +63,31 @@ def iter_weights(
 
 
 def find_param(
-    model: torch.nn.Module, params: dict[str, torch.nn.Parameter], name: str
-) -> torch.nn.Parameter:
-    """``params[name]`` (``model``'s named parameters), or a ValueError naming the checkpoint
-    weight that has no parameter."""
-    try:
-        return params[name]
-    except KeyError:
-        raise ValueError(
-            f"checkpoint weight {name!r} has no matching parameter in {type(model).__name__}"
-        ) from None
+    model: torch.nn.Module, params: dict[str, torch.nn.Parameter], name: str, tensor: torch.Tensor
+) -> torch.nn.Parameter | None:
+    """``params[name]`` (``model``'s named parameters) for the checkpoint weight ``name``
+    (``tensor``). None, for the caller to skip it, when it is an all-zero ``.bias`` the model
+    does not have: GPTQ checkpoints store such placeholders for bias-free layers (vLLM skips
+    them too). Any other weight without a parameter raises ``ValueError`` naming it."""
+    param = params.get(name)
+    if param is not None:
+        return param
+    if name.endswith(".bias") and not torch.count_nonzero(tensor):
+        return None
+    nonzero = " (a bias with non-zero values)" if name.endswith(".bias") else ""
+    raise ValueError(
+        f"checkpoint weight {name!r}{nonzero} has no matching parameter in {type(model).__name__}"
+    )
 
 
-def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
-    """Copy a whole checkpoint tensor into a parameter of the same shape."""
+def default_weight_loader(
+    param: torch.Tensor, loaded_weight: torch.Tensor, name: str = "the parameter"
+) -> None:
+    """Copy a whole checkpoint tensor into a parameter of the same shape; a mismatch raises
+    ``ValueError`` naming the parameter (``name``)."""
     if param.shape != loaded_weight.shape:
         raise ValueError(
-            f"checkpoint tensor has shape {tuple(loaded_weight.shape)}, "
+            f"{name}: checkpoint tensor has shape {tuple(loaded_weight.shape)}, "
             f"parameter has {tuple(param.shape)}"
         )
     param.data.copy_(loaded_weight)

@@ -92,18 +92,10 @@ class ModelRunner:
             self.proposer = proposer_cls(config.speculative, config, device)
 
     def load_model(self) -> None:
-        quant = None
-        if self.config.quantization is not None:
-            from tokenmill import plugins
-
-            method_cls = plugins.get_registry("quantization_methods").load(self.config.quantization)
-            quant = method_cls.from_config(
-                getattr(self.config.hf_config, "quantization_config", None) or {}
-            )
         ctx = BuildContext(
             self.attn_selector,
             self.config.torch_dtype,
-            quant,
+            self.config.quantization_method(),
             self.config.platform_cls.get_ops(),
             self.config.calculate_kv_scales,
         )
