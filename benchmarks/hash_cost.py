@@ -12,7 +12,8 @@ import argparse
 import random
 import time
 
-from tokenmill.core.kv_cache_utils import HASH_ALGOS, make_block_hasher
+from tokenmill.core.kv_cache_utils import make_block_hasher
+from tokenmill.engine_args import HASH_ALGOS
 from tokenmill.core.request import Request
 from tokenmill.sampling_params import SamplingParams
 

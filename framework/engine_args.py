@@ -5,17 +5,26 @@ its help text. Kept free of torch so that the ``tokenmill`` command parses and f
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
-from tokenmill.core.kv_cache_utils import PrefixCachingHashAlgo
 from tokenmill.envs import ENVIRONMENT_VARIABLES
-from tokenmill.logprobs import LogprobsMode
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 MAX_DEFAULT_MODEL_LEN = 32768
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 
 DistributedExecutorBackend = Literal["uni", "mp", "ray"]
+
+PrefixCachingHashAlgo = Literal["sha256", "builtin"]
+HASH_ALGOS: tuple[str, ...] = get_args(PrefixCachingHashAlgo)
+
+LogprobsMode = Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"]
+"""What sample ``logprobs`` report (vLLM's ``logprobs_mode``): ``raw_*`` (the default,
+``raw_logprobs``) from the model's logits before any logits processing; ``processed_*`` after
+``allowed_token_ids``, ``min_tokens``, ``logit_bias`` and the penalties, and for random rows
+after temperature, min-p, top-k and top-p (masked tokens ``-inf``); ``*_logits`` report the
+logits themselves instead of their ``log_softmax``. Prompt logprobs are always raw logprobs."""
+LOGPROBS_MODES: tuple[str, ...] = get_args(LogprobsMode)
 
 
 def _arg(default: Any, help: str, **cli: Any) -> Any:

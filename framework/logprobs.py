@@ -5,15 +5,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal, get_args
-
-LogprobsMode = Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"]
-"""What sample ``logprobs`` report (vLLM's ``logprobs_mode``): ``raw_*`` (the default,
-``raw_logprobs``) from the model's logits before any logits processing; ``processed_*`` after
-``allowed_token_ids``, ``min_tokens``, ``logit_bias`` and the penalties, and for random rows
-after temperature, min-p, top-k and top-p (masked tokens ``-inf``); ``*_logits`` report the
-logits themselves instead of their ``log_softmax``. Prompt logprobs are always raw logprobs."""
-LOGPROBS_MODES: tuple[str, ...] = get_args(LogprobsMode)
 
 
 @dataclass

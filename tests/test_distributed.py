@@ -20,6 +20,7 @@ from conftest import make_tiny_checkpoint, save_byte_tokenizer
 from deepseek_checkpoints import save_deepseek
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import EngineConfig
+from tokenmill.config_resolver import resolve_config
 from tokenmill.engine.async_llm import AsyncLLM
 from tokenmill.engine.dp_client import WAITING_WEIGHT, load_score
 from tokenmill.engine.output_processor import RequestOutputKind
@@ -66,8 +67,8 @@ def shutdown(llm: LLM) -> None:
 
 def test_settings_tensor_parallelism_cannot_honour_are_refused(default_model_dir, tmp_path):
     with pytest.raises(ValueError, match=r"tensor_parallel_size=2 does not split the model's 9 attention heads and 3 KV heads"):
-        EngineConfig(tensor_parallel_size=2).finalize()
-    assert EngineConfig(tensor_parallel_size=3).finalize().executor_backend == "mp"
+        resolve_config(EngineConfig(tensor_parallel_size=2))
+    assert resolve_config(EngineConfig(tensor_parallel_size=3)).executor_backend == "mp"
     with pytest.raises(ValueError, match=r"distributed_executor_backend='uni' runs one worker"):
         EngineConfig(tensor_parallel_size=3, distributed_executor_backend="uni")
     with pytest.raises(ValueError, match=r"distributed_executor_backend must be one of uni, mp, ray"):
@@ -106,8 +107,8 @@ def test_checkpoints_that_do_not_shard_are_refused_before_workers_start(tmp_path
         rf"ranks: tensor_parallel_size=2 is not supported with it \(use tensor_parallel_size=1\)"
     )
     with pytest.raises(ValueError, match=message):
-        EngineConfig(model=path, tensor_parallel_size=2).finalize()
-    assert EngineConfig(model=path).finalize().quantization == method
+        resolve_config(EngineConfig(model=path, tensor_parallel_size=2))
+    assert resolve_config(EngineConfig(model=path)).quantization == method
 
 
 def test_gguf_and_online_quantization_with_tensor_parallelism(tmp_path):
@@ -115,7 +116,7 @@ def test_gguf_and_online_quantization_with_tensor_parallelism(tmp_path):
     online ``fp8`` of a float checkpoint shards like the float model."""
     with pytest.raises(ValueError, match=r"quantization 'gguf' does not load sharded over tensor-parallel ranks: tensor_parallel_size=3"):
         LLM(quantization="gguf", tensor_parallel_size=3)
-    assert EngineConfig(quantization="fp8", tensor_parallel_size=3).finalize().quantization == "fp8"
+    assert resolve_config(EngineConfig(quantization="fp8", tensor_parallel_size=3)).quantization == "fp8"
 
 
 def int8_exact_checkpoint(path: Path) -> str:

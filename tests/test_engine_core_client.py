@@ -15,6 +15,7 @@ import pytest
 
 from conftest import make_tiny_checkpoint
 from tokenmill.config import EngineConfig
+from tokenmill.config_resolver import resolve_config
 from tokenmill.core.request import RequestStatus
 from tokenmill.engine.core_client import EngineDeadError, InprocClient, MPClient
 from tokenmill.engine.input_processor import InputProcessor
@@ -29,9 +30,9 @@ def tiny_dir(tmp_path_factory) -> str:
 
 
 def config(path: str, **kwargs) -> EngineConfig:
-    return EngineConfig.from_kwargs(
+    return resolve_config(EngineConfig.from_kwargs(
         model=path, num_kv_blocks=64, block_size=8, max_model_len=256, **kwargs
-    ).finalize()
+    ))
 
 
 def core_requests(cfg: EngineConfig, client, max_tokens: int = 12):
@@ -120,7 +121,7 @@ def test_killed_core_is_reported_dead(tiny_dir):
 def test_startup_error_is_raised_in_the_parent(tiny_dir):
     with pytest.raises(ValueError, match="holds no block"):
         MPClient(
-            EngineConfig.from_kwargs(model=tiny_dir, kv_cache_memory_bytes=1).finalize(),
+            resolve_config(EngineConfig.from_kwargs(model=tiny_dir, kv_cache_memory_bytes=1)),
             lambda _: None,
         )
 
@@ -138,8 +139,9 @@ def test_core_process_dies_with_its_parent(tiny_dir):
     script = (
         "import sys, time\n"
         "from tokenmill.config import EngineConfig\n"
+        "from tokenmill.config_resolver import resolve_config\n"
         "from tokenmill.engine.core_client import MPClient\n"
-        "config = EngineConfig.from_kwargs(model=sys.argv[1], num_kv_blocks=8).finalize()\n"
+        "config = resolve_config(EngineConfig.from_kwargs(model=sys.argv[1], num_kv_blocks=8))\n"
         "print(MPClient(config, lambda _: None).pid, flush=True)\n"
         "time.sleep(600)\n"
     )

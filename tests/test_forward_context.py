@@ -12,6 +12,7 @@ import torch
 from conftest import make_tiny_checkpoint
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import EngineConfig
+from tokenmill.config_resolver import resolve_config
 from tokenmill.forward_context import get_forward_context, set_forward_context
 from tokenmill.layers.attention import Attention
 from tokenmill.worker.model_runner import ModelRunner
@@ -72,9 +73,9 @@ def test_context_is_invisible_to_other_threads():
 
 
 def test_each_attention_layer_holds_its_kv_cache(tmp_path):
-    config = EngineConfig(
+    config = resolve_config(EngineConfig(
         model=make_tiny_checkpoint(tmp_path, "llama"), block_size=8, max_model_len=64
-    ).finalize()
+    ))
     runner = ModelRunner(config, torch.device("cpu"))
     runner.load_model()
     layers = list(runner.attention_layers().values())

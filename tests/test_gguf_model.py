@@ -13,6 +13,7 @@ import torch
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import EngineConfig
+from tokenmill.config_resolver import resolve_config
 from tokenmill.default_model import gguf_path
 from tokenmill.quant.gguf import GEMV_MAX_ROWS
 
@@ -77,18 +78,18 @@ def test_logits_equal_float_reference(hf_default_model, monkeypatch):
 
 
 def test_model_file_path_loads_with_gguf(tmp_path):
-    config = EngineConfig(model=str(gguf_path())).finalize()
+    config = resolve_config(EngineConfig(model=str(gguf_path())))
     assert config.quantization == "gguf" and config.weights_path == str(gguf_path())
     assert (Path(config.model_path) / "tokenizer.json").is_file()
     assert config.hf_config.tie_word_embeddings and config.hf_config.num_hidden_layers == 30
     with pytest.raises(ValueError, match=r"is a GGUF file, which loads with quantization='gguf', not 'int8'"):
-        EngineConfig(model=str(gguf_path()), quantization="int8").finalize()
+        resolve_config(EngineConfig(model=str(gguf_path()), quantization="int8"))
     other = tmp_path / "weights.bin"
     other.write_bytes(b"not gguf")
     with pytest.raises(FileNotFoundError, match=r"weights.bin' is not a GGUF file"):
-        EngineConfig(model=str(other)).finalize()
+        resolve_config(EngineConfig(model=str(other)))
     with pytest.raises(ValueError, match=r"quantization='gguf' loads GGUF files; .* is a model directory"):
-        EngineConfig(model=str(tmp_path), quantization="gguf").finalize()
+        resolve_config(EngineConfig(model=str(tmp_path), quantization="gguf"))
 
 
 def test_teacher_forced_tokens_agree_with_llamacpp(llm):

@@ -9,6 +9,7 @@ import torch
 from conftest import make_tiny_checkpoint
 from paged_batches import usable_backend
 from tokenmill.config import EngineConfig
+from tokenmill.config_resolver import resolve_config
 from tokenmill.forward_context import set_forward_context
 from tokenmill.interfaces.attention import CommonAttentionMetadata
 from tokenmill.interfaces.decode_graph import capture_sizes
@@ -83,14 +84,14 @@ def test_replay_equals_eager(tmp_path, name, dtype, block_size, atol):
         num_attention_heads=4,
         num_key_value_heads=2,
     )
-    config = EngineConfig(
+    config = resolve_config(EngineConfig(
         model=model,
         attention_backend=name,
         dtype=dtype,
         block_size=block_size,
         max_num_seqs=8,
         max_model_len=BLOCKS_PER_REQ * block_size,
-    ).finalize()
+    ))
     runner = ModelRunner(config, torch.device("cuda", 0))
     runner.load_model()
     runner.initialize_kv_cache(8 * BLOCKS_PER_REQ)

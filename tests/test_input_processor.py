@@ -13,6 +13,7 @@ import pytest
 from conftest import make_tiny_checkpoint, save_byte_tokenizer
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import EngineConfig
+from tokenmill.config_resolver import resolve_config
 from tokenmill.engine.input_processor import InputProcessor
 
 FRAMEWORK = Path(__file__).resolve().parent.parent / "framework"
@@ -27,7 +28,7 @@ def tiny_dir(tmp_path_factory) -> str:
 
 
 def test_process_prepares_child_requests(tiny_dir):
-    config = EngineConfig.from_kwargs(model=tiny_dir).finalize()
+    config = resolve_config(EngineConfig.from_kwargs(model=tiny_dir))
     processor = InputProcessor(config, None, max_model_len=100, max_prompt_tokens=99)
     params = SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=None, stop_token_ids=[4])
     request = processor.process(

@@ -19,9 +19,9 @@ def tree(tmp_path_factory) -> Path:
     return layering.namespace_copy(tmp_path_factory.mktemp("namespace"))
 
 
-def lint(root: Path) -> tuple[int, str]:
-    config = root / "contracts.toml"
-    config.write_text(layering.contracts(root))
+def lint(root: Path, contracts=layering.contracts) -> tuple[int, str]:
+    config = root / f"{contracts.__name__}.toml"
+    config.write_text(contracts(root))
     result = layering.lint_imports(root, config)
     return result.returncode, result.stdout + result.stderr
 
@@ -30,6 +30,21 @@ def test_the_rules_hold(tree):
     code, out = lint(tree)
     assert code == 0, out
     assert re.search(r"Contracts: 4 kept, 0 broken", out), out
+
+
+def test_base_modules_import_only_base_modules(tree):
+    code, out = lint(tree, layering.base_contract)
+    assert code == 0, out
+    assert re.search(r"Contracts: 1 kept, 0 broken", out), out
+
+
+def test_a_base_module_importing_the_core_breaks_the_rule(tmp_path):
+    root = layering.namespace_copy(tmp_path)
+    path = root / "tokenmill" / "config.py"
+    path.write_text(path.read_text() + "\n\ndef _added():\n    from tokenmill.selector import select_platform\n")
+    code, out = lint(root, layering.base_contract)
+    assert code != 0
+    assert "tokenmill.config -> tokenmill.selector" in out.replace("\n", " "), out
 
 
 @pytest.mark.parametrize(

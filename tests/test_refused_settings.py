@@ -11,6 +11,7 @@ import torch
 from conftest import make_tiny_checkpoint
 from tokenmill import LLM, plugins
 from tokenmill.config import EngineConfig
+from tokenmill.config_resolver import resolve_config
 from tokenmill.interfaces.quantization import QuantizationMethod
 from tokenmill.platforms.cpu import CpuPlatform
 
@@ -80,13 +81,13 @@ def test_checkpoint_naming_an_unregistered_method_is_refused(tmp_path):
 
 def test_quantization_method_is_checked_against_registry_and_platform(tiny_dir, fake_quant, monkeypatch):
     with pytest.raises(ValueError, match=r"quantization method 'other' is not registered; registered: .*fake-quant"):
-        EngineConfig(model=tiny_dir, quantization="other").finalize()
+        resolve_config(EngineConfig(model=tiny_dir, quantization="other"))
     with pytest.raises(ValueError, match=r"quantization 'fake-quant' computes in torch.bfloat16, not torch.float32"):
-        EngineConfig(model=tiny_dir, quantization=fake_quant, dtype="float32").finalize()
-    assert EngineConfig(model=tiny_dir, quantization=fake_quant, dtype="bfloat16").finalize()
+        resolve_config(EngineConfig(model=tiny_dir, quantization=fake_quant, dtype="float32"))
+    assert resolve_config(EngineConfig(model=tiny_dir, quantization=fake_quant, dtype="bfloat16"))
     monkeypatch.setattr(CpuPlatform, "supported_quantization", ("awq",))
     with pytest.raises(ValueError, match=r"platform 'cpu' does not run quantization 'fake-quant'; it runs: awq"):
-        EngineConfig(model=tiny_dir, quantization=fake_quant, dtype="bfloat16").finalize()
+        resolve_config(EngineConfig(model=tiny_dir, quantization=fake_quant, dtype="bfloat16"))
 
 
 def test_gpu_memory_utilization_is_refused_on_the_cpu(tiny_dir):

@@ -12,6 +12,7 @@ from conftest import make_tiny_checkpoint
 from spec_decode_common import ENGINES, generate, random_prompts
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import EngineConfig
+from tokenmill.config_resolver import resolve_config
 
 
 @pytest.fixture(scope="module")
@@ -191,10 +192,10 @@ def test_bad_speculative_config_names_the_key(spec, message):
 
 def test_unregistered_method_and_foreign_vocabulary_are_refused(tiny, tmp_path):
     with pytest.raises(ValueError, match=r"\['method'\] 'medusa' is not a registered proposer; registered: draft_model, eagle, eagle3, mtp, ngram"):
-        EngineConfig(model=tiny["target"], speculative_config={"method": "medusa", "num_speculative_tokens": 2}).finalize()
+        resolve_config(EngineConfig(model=tiny["target"], speculative_config={"method": "medusa", "num_speculative_tokens": 2}))
     other = make_tiny_checkpoint(tmp_path / "other", vocab_size=300)
     with pytest.raises(ValueError, match=r"\['model'\] .* has a vocabulary of 300 tokens, the target 256"):
-        EngineConfig(model=tiny["target"], speculative_config={"model": other, "num_speculative_tokens": 2}).finalize()
+        resolve_config(EngineConfig(model=tiny["target"], speculative_config={"model": other, "num_speculative_tokens": 2}))
 
 
 def test_ngram_defaults_follow_vllm():

@@ -16,7 +16,9 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Literal, get_args
+from typing import TYPE_CHECKING
+
+from tokenmill.engine_args import HASH_ALGOS, PrefixCachingHashAlgo
 
 if TYPE_CHECKING:
     from tokenmill.core.request import Request
@@ -25,8 +27,6 @@ BlockHash = bytes
 ExtraKeys = tuple[tuple[str, str], ...]
 """``(kind, value)`` pairs a block's reuse also depends on, e.g. ``(("cache_salt", "a"),)``."""
 HashFunction = Callable[[BlockHash | None, Sequence[int], ExtraKeys | None], BlockHash]
-PrefixCachingHashAlgo = Literal["sha256", "builtin"]
-HASH_ALGOS: tuple[str, ...] = get_args(PrefixCachingHashAlgo)
 
 NONE_HASH: BlockHash = hashlib.sha256(b"tokenmill-root").digest()
 """The parent of every request's first block."""
@@ -76,17 +76,10 @@ _HASH_FUNCTIONS: dict[str, HashFunction] = {
 }
 
 
-def check_hash_algo(algo: str) -> None:
-    """Raise ``ValueError`` unless ``algo`` names a block-hash algorithm."""
-    if algo not in _HASH_FUNCTIONS:
-        raise ValueError(
-            f"prefix_caching_hash_algo must be one of {', '.join(HASH_ALGOS)}, got {algo!r}"
-        )
-
-
-def get_hash_function(algo: str) -> HashFunction:
+def get_hash_function(algo: PrefixCachingHashAlgo) -> HashFunction:
     """The block-hash function of ``algo``; raises ``ValueError`` for an unknown name."""
-    check_hash_algo(algo)
+    if algo not in _HASH_FUNCTIONS:
+        raise ValueError(f"prefix_caching_hash_algo must be one of {', '.join(HASH_ALGOS)}, got {algo!r}")
     return _HASH_FUNCTIONS[algo]
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from tokenmill.config import EngineConfig
+from tokenmill.config_resolver import resolve_config
 from tokenmill.core.request import RequestStatus
 from tokenmill.engine.core_client import EngineDeadError, MPClient
 from tokenmill.engine.dp_client import DPClient
@@ -117,7 +118,7 @@ class AsyncLLM:
     ) -> None:
         if max_pending_requests < 1:
             raise ValueError(f"max_pending_requests must be >= 1, got {max_pending_requests}")
-        self.config = config.finalize()
+        self.config = resolve_config(config)
         self.max_pending_requests = max_pending_requests
         self.stat_loggers = list(stat_loggers or [])
         self.tokenizer = load_tokenizer(config.tokenizer or config.model_path)

@@ -8,6 +8,7 @@ import logging
 from typing import Any
 
 from tokenmill.config import EngineConfig
+from tokenmill.config_resolver import resolve_config
 from tokenmill.core.request import RequestStatus
 from tokenmill.engine.core_client import InprocClient
 from tokenmill.engine.input_processor import (
@@ -30,7 +31,7 @@ class LLMEngine:
                 f"data_parallel_size={config.data_parallel_size}: data parallelism runs engine "
                 f"cores behind AsyncLLM or 'tokenmill serve'; the offline LLM runs one"
             )
-        self.config = config.finalize()
+        self.config = resolve_config(config)
         tokenizer_path = config.tokenizer or config.model_path
         self.tokenizer = load_tokenizer(tokenizer_path)
         if self.tokenizer is None:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tokenmill.logprobs import LOGPROBS_MODES, LogprobsMode
+from tokenmill.engine_args import LOGPROBS_MODES, LogprobsMode
 from tokenmill.sampling_params import GREEDY_TEMPERATURE_EPS
 
 

@@ -2,7 +2,7 @@
 own layering) and by grimp, its import-graph engine (a third-party plugin's imports, in the
 conformance kit).
 
-- Base modules hold values and environment only.
+- Base modules hold values and environment only: at run time they import only each other.
 - R1: ``tokenmill.interfaces`` imports only ``interfaces`` and the base modules.
 - R2: the core never imports a plugin package (``testing/``, the conformance kit, may).
 - R3: a plugin package imports only the public API (:data:`PUBLIC_API`), never another plugin
@@ -133,6 +133,29 @@ def contracts(root: Path) -> str:
             'name = "R3: no plugin package imports another"',
             'type = "independence"',
             f"modules = {names(PLUGIN_PACKAGES)}",
+            "",
+        ]
+    )
+
+
+def base_contract(root: Path) -> str:
+    """import-linter's configuration (TOML) of the base modules' rule: at run time they import
+    only each other (``TYPE_CHECKING`` imports, for annotations, are left out here)."""
+    modules = top_level_modules(root)
+    others = ", ".join(f'"tokenmill.{m}"' for m in modules if m not in BASE_MODULES)
+    sources = ", ".join(f'"tokenmill.{m}"' for m in BASE_MODULES)
+    return "\n".join(
+        [
+            "[tool.importlinter]",
+            'root_packages = ["tokenmill"]',
+            "exclude_type_checking_imports = true",
+            "",
+            "[[tool.importlinter.contracts]]",
+            'name = "Base modules import only base modules at run time"',
+            'type = "forbidden"',
+            "allow_indirect_imports = true",
+            f"source_modules = [{sources}]",
+            f"forbidden_modules = [{others}]",
             "",
         ]
     )

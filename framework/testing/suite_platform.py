@@ -79,9 +79,10 @@ def test_candidates_are_registered_backends(platform):
 def test_check_and_update_config_is_idempotent(platform, tiny_llama):
     """check_and_update_config applied twice changes nothing the second time"""
     from tokenmill.config import EngineConfig
+    from tokenmill.config_resolver import resolve_config
 
     _available(platform)
-    config = EngineConfig(model=str(tiny_llama), platform=platform.name, num_kv_blocks=16).finalize()
+    config = resolve_config(EngineConfig(model=str(tiny_llama), platform=platform.name, num_kv_blocks=16))
     once = {f.name: copy.copy(getattr(config, f.name)) for f in fields(config) if f.name != "hf_config"}
     platform.check_and_update_config(config)
     twice = {f.name: getattr(config, f.name) for f in fields(config) if f.name != "hf_config"}
@@ -92,12 +93,13 @@ def test_check_and_update_config_is_idempotent(platform, tiny_llama):
 def test_memory_queries(platform, tiny_llama):
     """reports total and free memory, and a KV-cache budget that fits in the free memory"""
     from tokenmill.config import EngineConfig
+    from tokenmill.config_resolver import resolve_config
 
     _available(platform)
     total, free = platform.get_device_total_memory(), platform.get_available_memory()
     assert isinstance(total, int) and total > 0, f"get_device_total_memory() = {total!r}"
     assert isinstance(free, int) and 0 < free <= total, f"get_available_memory() = {free!r} of {total}"
-    config = EngineConfig(model=str(tiny_llama), platform=platform.name).finalize()
+    config = resolve_config(EngineConfig(model=str(tiny_llama), platform=platform.name))
     budget = platform.get_kv_cache_budget(config)
     assert isinstance(budget, int) and 0 < budget <= free, (
         f"get_kv_cache_budget() = {budget!r} with {free} bytes free"

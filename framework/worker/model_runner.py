@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from tokenmill.config import EngineConfig
+from tokenmill.config_resolver import quantization_method
 from tokenmill.core.scheduler_output import SchedulerOutput
 from tokenmill.forward_context import set_forward_context
 from tokenmill.interfaces.attention import CommonAttentionMetadata
@@ -95,7 +96,7 @@ class ModelRunner:
         ctx = BuildContext(
             self.attn_selector,
             self.config.torch_dtype,
-            self.config.quantization_method(),
+            quantization_method(self.config),
             self.config.platform_cls.get_ops(),
             self.config.calculate_kv_scales,
         )
