@@ -17,8 +17,9 @@ from tokenmill.core.request import RequestStatus
 from tokenmill.engine.core_client import EngineDeadError, MPClient
 from tokenmill.engine.dp_client import DPClient
 from tokenmill.engine.engine_core import EngineCoreOutputs
-from tokenmill.engine.input_processor import InputProcessor, PromptType, load_tokenizer
+from tokenmill.engine.input_processor import InputProcessor, PromptType
 from tokenmill.engine.output_processor import OutputProcessor, RequestOutputKind
+from tokenmill.model_loader.tokenizer import load_tokenizer
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 

@@ -4,7 +4,6 @@ parameters once, producing the ``EngineCoreRequest``s the engine core runs (vLLM
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -163,16 +162,6 @@ def prompt_cache_salt(prompt: PromptType) -> str | None:
     if salt is not None and not (isinstance(salt, str) and salt):
         raise ValueError(f"cache_salt must be a non-empty string, got {salt!r}")
     return salt
-
-
-def load_tokenizer(path: str):
-    """The HF fast tokenizer in ``path``, or None when the directory has none."""
-    from transformers import AutoTokenizer
-
-    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-    if not any(os.path.exists(os.path.join(path, n)) for n in names):
-        return None
-    return AutoTokenizer.from_pretrained(path)
 
 
 def child_request_id(index: int, request_id: str) -> str:

@@ -15,9 +15,9 @@ from tokenmill.engine.input_processor import (
     InputProcessor,
     ProcessedRequest,
     PromptType,
-    load_tokenizer,
 )
 from tokenmill.engine.output_processor import OutputProcessor, RequestOutputKind
+from tokenmill.model_loader.tokenizer import load_tokenizer
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 

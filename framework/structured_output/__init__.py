@@ -61,7 +61,7 @@ class StructuredOutputManager:
 
     def _compile(self, params: StructuredOutputsParams):
         if self._backend is None:
-            from tokenmill.engine.input_processor import load_tokenizer
+            from tokenmill.model_loader.tokenizer import load_tokenizer
 
             path = self.config.tokenizer or self.config.model_path
             tokenizer = load_tokenizer(path)

@@ -195,6 +195,58 @@ print(json.dumps(found))
 """
 
 
+_CYCLES = """
+import json, sys
+import grimp
+graph = grimp.build_graph("tokenmill", cache_dir=None, exclude_type_checking_imports=True)
+modules = sorted(graph.modules)
+edges = {m: sorted(graph.find_modules_directly_imported_by(m)) for m in modules}
+index, low, on_stack, stack, cycles = {}, {}, set(), [], []
+for root in modules:
+    if root in index:
+        continue
+    work = [(root, 0)]
+    while work:
+        node, i = work.pop()
+        if i == 0:
+            index[node] = low[node] = len(index)
+            stack.append(node)
+            on_stack.add(node)
+        if i < len(edges[node]):
+            work.append((node, i + 1))
+            nxt = edges[node][i]
+            if nxt not in index:
+                work.append((nxt, 0))
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+            continue
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+        if work:
+            parent = work[-1][0]
+            low[parent] = min(low[parent], low[node])
+print(json.dumps(sorted(cycles)))
+"""
+
+
+def import_cycles(root: Path) -> list[list[str]]:
+    """The import circles of the tree under ``root``: each set of modules that import one
+    another at run time (strongly connected, ``TYPE_CHECKING`` imports left out), from grimp's
+    graph."""
+    result = _run(root, _CYCLES)
+    if result.returncode != 0:
+        raise RuntimeError(f"grimp could not build the import graph: {result.stderr.strip()}")
+    return json.loads(result.stdout)
+
+
 def public_api_violations(package: str, root: Path) -> list[str]:
     """Imports by the modules of ``package`` (a third-party package found on ``sys.path``, or
     ``tokenmill.<plugin package>``) of tokenmill modules outside the public API, each as
