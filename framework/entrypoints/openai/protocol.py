@@ -75,13 +75,17 @@ class OpenAIModel(BaseModel):
 
 def _lone_surrogate(value: Any) -> str | None:
     """Where in ``value`` (a path such as ``[0]['content']``; "" for ``value`` itself) a string
-    holds a lone surrogate; None if nowhere."""
+    holds a lone surrogate; None if nowhere.
+
+    A list that starts with an int is not searched (token ids can number millions): the
+    strict fields that take one hold ints only, and any other string reaching the engine
+    core is refused there."""
     if isinstance(value, str):
         try:
             value.encode()
         except UnicodeEncodeError:
             return ""
-    elif isinstance(value, list):
+    elif isinstance(value, list) and not (value and isinstance(value[0], int)):
         for i, item in enumerate(value):
             where = _lone_surrogate(item)
             if where is not None:
