@@ -125,6 +125,12 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
         "give the tokenmill logger its own stderr handler and level; 0: leave it to the "
         "application's logging configuration",
     ),
+    "TOKENMILL_ENGINE_STALL_TIMEOUT_S": EnvVar(
+        "float",
+        120.0,
+        "seconds an engine core of 'tokenmill serve' may hold work without finishing a step "
+        "before /health reports it stalled (503); it recovers once the core reports again",
+    ),
     "TOKENMILL_API_KEY": EnvVar(
         "str",
         None,

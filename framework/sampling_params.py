@@ -15,6 +15,9 @@ GREEDY_TEMPERATURE_EPS = 1e-5
 MAX_LOGPROBS = 20
 """Largest ``logprobs`` (top-N) a request may ask for."""
 
+INT64_MIN, UINT64_MAX = -(2**63), 2**64 - 1
+"""The integers msgpack carries to the engine core."""
+
 
 @dataclass
 class StructuredOutputsParams:
@@ -98,7 +101,8 @@ class SamplingParams:
         temperature: softmax temperature; 0 (anything below 1e-5) means greedy.
         top_p: nucleus sampling: keep the smallest set of most likely tokens whose
             probability sums to at least ``top_p``. 1 = off.
-        top_k: keep only the ``top_k`` most likely tokens. 0 or -1 = off (-1 is stored as 0).
+        top_k: keep only the ``top_k`` most likely tokens. 0 or -1 = off (-1 is stored as 0);
+            as in vLLM, a ``top_k`` of at least the vocabulary size keeps every token.
         min_p: drop tokens whose probability is below ``min_p`` times the most likely one's.
         seed: seed of this request's own random generator, which makes its samples
             independent of the batch it runs in.
@@ -130,7 +134,8 @@ class SamplingParams:
         structured_outputs: constrain the output to a JSON schema, regex, choice or grammar.
 
     Greedy requests (temperature 0) ignore ``top_p``, ``top_k`` and ``min_p``, which are
-    reset to their off values. Invalid values raise ``ValueError`` naming the field.
+    reset to their off values. Every integer must fit in 64 bits (``[-2**63, 2**64)``), as
+    the engine core receives it. Invalid values raise ``ValueError`` naming the field.
     """
 
     n: int = 1
@@ -172,8 +177,6 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.seed is not None:
             self.seed = _check_int("seed", self.seed)
-            if not -(2**63) <= self.seed < 2**64:
-                raise ValueError(f"seed must fit in 64 bits, got {self.seed}")
         if self.max_tokens is not None:
             self.max_tokens = _check_int("max_tokens", self.max_tokens, minimum=1)
         self.min_tokens = _check_int("min_tokens", self.min_tokens, minimum=0)
@@ -309,17 +312,26 @@ def _is_int(value: Any) -> bool:
 
 
 def _check_int(name: str, value: Any, minimum: int | None = None) -> int:
-    """Return ``value`` as an ``int`` (numpy integers included); bools and floats are rejected."""
+    """Return ``value`` as an ``int`` (numpy integers included) that fits in 64 bits; bools and
+    floats are rejected."""
     if not _is_int(value):
         raise ValueError(f"{name} must be an int, got {value!r}")
     if minimum is not None and value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    if not INT64_MIN <= value <= UINT64_MAX:
+        raise ValueError(f"{name} must fit in 64 bits, got {value}")
     return int(value)
 
 
 def _check_float(name: str, value: Any) -> float:
     """Return ``value`` as a ``float``; it must be a finite real number (not a bool or a string)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    try:
+        finite = math.isfinite(value)
+    except OverflowError:
+        finite = False
+    if not finite:
         raise ValueError(f"{name} must be a finite number, got {value!r}")
     return float(value)
 
@@ -358,8 +370,8 @@ def _check_token_ids(name: str, ids: Any) -> list[int]:
     if not isinstance(ids, (list, tuple)):
         raise ValueError(f"{name} must be a list of ints, got {ids!r}")
     for i in ids:
-        if not _is_int(i) or i < 0:
-            raise ValueError(f"{name} must contain only non-negative ints, got {i!r}")
+        if not _is_int(i) or not 0 <= i <= UINT64_MAX:
+            raise ValueError(f"{name} must contain only non-negative 64-bit ints, got {i!r}")
     return [int(i) for i in ids]
 
 

@@ -8,11 +8,12 @@ import time
 
 import pytest
 
-from tokenmill.engine.async_llm import AsyncLLM, QueueFullError, RequestStream
+from tokenmill.engine.async_llm import AsyncLLM, EngineStepError, QueueFullError, RequestStream
 from tokenmill.engine.engine_core import EngineCore
 from tokenmill.engine.output_processor import RequestOutputKind
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.worker.input_batch import InputBatch
 
 MAX_PENDING = 6
 PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "Water boils at"]
@@ -143,6 +144,49 @@ def test_failing_step_fails_its_requests_and_loop_survives(monkeypatch):
     try:
         text, finish, _ = asyncio.run(main())
         assert text and finish in ("stop", "length") and llm.is_running()
+        wait_all_blocks_free(llm)
+    finally:
+        llm.shutdown()
+
+
+def test_failing_step_fails_only_its_requests(monkeypatch):
+    """A step that raised used to abort every request the core held, and (raising while
+    filling the request's input-batch row) to keep the row, so with one sequence slot no
+    request could run again (issue 36, item 10). Now only the step's request fails: the
+    running one and those queued behind it complete as they do alone."""
+
+    def broken(self, row, token_ids, num_prompt_tokens):
+        raise RuntimeError("penalty row failed")
+
+    monkeypatch.setattr(InputBatch, "_init_penalty_row", broken)
+    llm = AsyncLLM.from_engine_args(
+        engine_process=False, max_num_seqs=1, num_kv_blocks=64, max_model_len=512
+    )
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+    async def failing() -> None:
+        with pytest.raises(EngineStepError, match="penalty row failed"):
+            await collect(llm, PROMPTS[1], SamplingParams(presence_penalty=0.5, max_tokens=4))
+
+    async def main():
+        tasks = [
+            asyncio.create_task(collect(llm, PROMPTS[0], greedy)),
+            asyncio.create_task(failing()),
+            asyncio.create_task(collect(llm, PROMPTS[2], greedy)),
+            asyncio.create_task(failing()),
+            asyncio.create_task(collect(llm, PROMPTS[3], greedy)),
+        ]
+        together = await asyncio.gather(*tasks)
+        alone = [await collect(llm, p, greedy) for p in (PROMPTS[0], PROMPTS[2], PROMPTS[3])]
+        return [together[0], together[2], together[4]], alone
+
+    try:
+        together, alone = asyncio.run(main())
+        assert [(text, finish) for text, finish, _ in together] == [
+            (text, finish) for text, finish, _ in alone
+        ]
+        assert all(finish == "length" and text for text, finish, _ in together)
+        assert llm.is_running() and llm.num_unfinished_requests == 0
         wait_all_blocks_free(llm)
     finally:
         llm.shutdown()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from conftest import make_tiny_checkpoint
 from test_scheduler_stress import PagedStore, check_invariants, digest, expected_output
 
@@ -12,6 +13,7 @@ from tokenmill.core.kv_cache_utils import make_block_hasher
 from tokenmill.core.request import Request
 from tokenmill.core.scheduler import Scheduler, SchedulerConfig
 from tokenmill.outputs import CompletionOutput
+from tokenmill.worker.input_batch import InputBatch
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
@@ -146,3 +148,19 @@ def test_prefix_cache_queries_count_each_admission_once():
     assert steps_waited > 1
     assert kv.stats.queries == first.num_prompt_tokens + second.num_prompt_tokens
     assert kv.stats.hits == 12
+
+
+def test_input_batch_row_outlives_a_failed_add():
+    """A request whose row failed to fill kept the row taken: after ``max_num_seqs`` of them
+    every request failed with IndexError (issue 36, item 10). A ``top_k`` of at least the
+    vocabulary size is off, as in vLLM, where 2**63 used to overflow the int64 row."""
+    batch = InputBatch(1, 8, 2, 16, torch.device("cpu"))
+    params = SamplingParams(top_k=2**63)
+    for _ in range(3):
+        with pytest.raises(ValueError):
+            batch.add("too-long", list(range(9)), 9, [0], 0, params, None, [])
+    state = batch.add("fits", [1, 2, 3], 3, [0], 0, params, None, [])
+    assert state.row == 0 and batch.top_k[0] == 0 and batch.token_list(0) == [1, 2, 3]
+    batch.remove("fits")
+    state = batch.add("top-k", [4], 1, [1], 0, SamplingParams(top_k=15), None, [])
+    assert batch.top_k[state.row] == 15

@@ -62,6 +62,35 @@ def test_invalid_value_raises_naming_the_field(field, value):
         SamplingParams(**{field: value})
 
 
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("top_k", 2**64),
+        ("n", 2**64),
+        ("min_tokens", 2**64),
+        ("max_tokens", 2**64),
+        ("seed", -(2**63) - 1),
+        ("stop_token_ids", [5, 2**64]),
+        ("allowed_token_ids", [2**64]),
+    ],
+)
+def test_integers_beyond_64_bits_are_refused(field, value):
+    """msgpack cannot carry them to the engine core (issue 36, item 11)."""
+    with pytest.raises(ValueError, match=f"^{field} must .*64-bit|^{field} must fit in 64 bits"):
+        SamplingParams(**{field: value})
+
+
+def test_64_bit_extremes_are_accepted():
+    p = SamplingParams(top_k=2**64 - 1, seed=-(2**63), stop_token_ids=[2**64 - 1])
+    assert (p.top_k, p.seed, p.stop_token_ids) == (2**64 - 1, -(2**63), [2**64 - 1])
+
+
+@pytest.mark.parametrize("field", ["temperature", "presence_penalty", "repetition_penalty"])
+def test_numbers_too_large_for_a_float_are_refused(field):
+    with pytest.raises(ValueError, match=f"^{field} must be a finite number"):
+        SamplingParams(**{field: 10**400})
+
+
 def test_temperature_error_message_is_explicit():
     with pytest.raises(ValueError, match=r"temperature must be >= 0, got -1"):
         SamplingParams(temperature=-1)

@@ -297,16 +297,13 @@ class Scheduler:
         return False
 
     def fail_step(self, scheduler_output: SchedulerOutput) -> list[str]:
-        """Undo a step whose execution raised. Nothing it scheduled was computed, so every
-        request it scheduled or preempted finishes with ``FINISHED_ERROR`` (their unwritten
-        blocks leave the prefix cache as they are freed), and the finished ids the workers may
-        not have received go out again with the next step. Returns the failed request ids."""
+        """Undo a step that raised. Whatever it computed is not reported, so every request it
+        scheduled or preempted finishes with ``FINISHED_ERROR`` (blocks it did not write leave
+        the prefix cache as they are freed), and the finished ids the workers may not have
+        received go out again with the next step. Returns the failed request ids: all of the
+        step's, those it finished before raising included, whose outputs were lost."""
         self.finished_req_ids |= scheduler_output.finished_req_ids
-        failed = [
-            r
-            for r in (*scheduler_output.num_scheduled_tokens, *scheduler_output.preempted_req_ids)
-            if r in self.requests
-        ]
+        failed = [*scheduler_output.num_scheduled_tokens, *scheduler_output.preempted_req_ids]
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
             req = self.requests.get(req_id)
             if req is not None and req.status == RequestStatus.RUNNING:

@@ -11,6 +11,7 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from tokenmill import envs
 from tokenmill.config import EngineConfig
 from tokenmill.config_resolver import resolve_config
 from tokenmill.core.request import RequestStatus
@@ -30,6 +31,14 @@ DEFAULT_MAX_PENDING_REQUESTS = 1024
 
 class QueueFullError(RuntimeError):
     """The engine already holds ``max_pending_requests`` unfinished requests."""
+
+
+class EngineStepError(RuntimeError):
+    """An engine step running the request raised; the engine serves on."""
+
+
+class EngineStalledError(RuntimeError):
+    """The engine core holds work but has not reported a step for too long."""
 
 
 @dataclass
@@ -104,10 +113,11 @@ class AsyncLLM:
     prompts are validated and tokenized once (``InputProcessor``), so a bad request raises
     ``ValueError`` to its caller alone, and each step's outputs are detokenized, matched
     against stop strings and streamed (``OutputProcessor``) while the core computes the next
-    step. An engine step that raises fails the requests in flight (their streams raise);
-    the core keeps serving, unless its executor died (a tensor-parallel worker was lost): then
-    the core exits. If the core dies, every stream and every later request raises
-    ``EngineDeadError``.
+    step. An engine step that raises fails the requests it ran (their streams raise
+    ``EngineStepError``); the core keeps serving the others, unless its executor died (a
+    tensor-parallel worker was lost): then the core exits. If the core dies, every stream and
+    every later request raises ``EngineDeadError``; if it stops making progress while it has
+    work (hung or stopped), ``health`` says so.
     """
 
     def __init__(
@@ -176,9 +186,10 @@ class AsyncLLM:
     ) -> RequestStream:
         """Validate and queue a request; return the stream of its outputs.
 
-        Raises ``ValueError`` for an invalid prompt, parameters or a request id in use,
-        ``QueueFullError`` when ``max_pending_requests`` are unfinished, and
-        ``EngineDeadError`` after ``shutdown`` or once the engine core died. ``output_kind``
+        Raises ``ValueError`` for an invalid prompt, parameters (also ones the engine core
+        cannot receive) or a request id in use, ``QueueFullError`` when
+        ``max_pending_requests`` are unfinished, and ``EngineDeadError`` after ``shutdown`` or
+        once the engine core died; a request that raises leaves nothing behind. ``output_kind``
         is DELTA (for streaming) or FINAL_ONLY.
         """
         if self._dead is not None:
@@ -197,11 +208,15 @@ class AsyncLLM:
         self.output_processor.add_request(request, output_kind)
         stream = RequestStream(request_id, len(request.prompt_token_ids), output_kind)
         self._streams[request_id] = stream
+        children = [c.request_id for c in request.core_requests]
         try:
             for child in request.core_requests:
                 self.engine_core.add_request(child)
-        except EngineDeadError:
-            self.output_processor.abort([c.request_id for c in request.core_requests])
+        except BaseException:
+            if self._dead is None:
+                with contextlib.suppress(EngineDeadError):
+                    self.engine_core.abort_requests(children)
+            self.output_processor.abort(children)
             del self._streams[request_id]
             raise
         return stream
@@ -251,6 +266,18 @@ class AsyncLLM:
     def is_running(self) -> bool:
         return self._dead is None and self.engine_core.is_alive()
 
+    def check_health(self) -> None:
+        """Raise ``EngineDeadError`` if the engine core is gone, ``EngineStalledError`` if it
+        has held work without finishing a step for ``TOKENMILL_ENGINE_STALL_TIMEOUT_S``
+        seconds (hung, or its process stopped)."""
+        if not self.is_running():
+            raise self._dead or EngineDeadError("the engine core is not running")
+        waited = self.engine_core.seconds_without_progress()
+        if waited > envs.TOKENMILL_ENGINE_STALL_TIMEOUT_S:
+            raise EngineStalledError(
+                f"the engine core has made no progress for {waited:.0f} s while holding requests"
+            )
+
     def shutdown(self) -> None:
         """Stop the engine core; unfinished requests are aborted in the core, and their
         streams raise ``EngineDeadError``."""
@@ -271,7 +298,7 @@ class AsyncLLM:
         out = self.output_processor
         if core_outputs.error is not None:
             logger.error("engine step failed: %s; failing its requests", core_outputs.error)
-            error = RuntimeError(f"engine step failed: {core_outputs.error}")
+            error = EngineStepError(f"engine step failed: {core_outputs.error}")
             self._fail_all(error, set(core_outputs.failed_req_ids))
             return
         out.mark_scheduled(core_outputs.scheduled_req_ids, core_outputs.timestamp)

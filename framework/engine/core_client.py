@@ -10,6 +10,7 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 
 import zmq
@@ -134,6 +135,9 @@ class MPClient(EngineCoreClient):
         self._output.bind(output_address)
         self._stopping = False
         self._stats: dict[str, int] = {}
+        self._num_added = 0
+        self._owed_since = 0.0
+        self._last_message = 0.0
         args = (
             config,
             input_address,
@@ -170,19 +174,43 @@ class MPClient(EngineCoreClient):
         return self._core.is_alive()
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        self._send(ADD, request)
+        """Send a request to the core; ``ValueError`` if msgpack cannot carry one of its
+        values (an integer beyond 64 bits, a string with a lone surrogate)."""
+        try:
+            payload = encoder.encode(request)
+        except (OverflowError, TypeError, ValueError) as e:
+            raise ValueError(f"the request cannot be sent to the engine core: {e}") from None
+        if not self._owes_progress():
+            self._owed_since = time.monotonic()
+        self._send(ADD, payload)
+        self._num_added += 1
 
     def abort_requests(self, req_ids: list[str]) -> None:
-        self._send(ABORT, req_ids)
+        self._send(ABORT, encoder.encode(req_ids))
 
     def finish_requests(
         self, req_ids: list[str], status: RequestStatus, stop_reason: int | str | None = None
     ) -> None:
-        self._send(FINISH, FinishRequests(req_ids, int(status), stop_reason))
+        self._send(FINISH, encoder.encode(FinishRequests(req_ids, int(status), stop_reason)))
 
     def get_stats(self) -> dict[str, int]:
         """The core's stats as of its latest message."""
         return self._stats
+
+    def seconds_without_progress(self) -> float:
+        """How long the core has owed a message and sent none: while it holds unfinished
+        requests or has not taken all the requests sent to it, it reports after every step;
+        0 when it owes nothing."""
+        if not self._owes_progress():
+            return 0.0
+        return time.monotonic() - max(self._owed_since, self._last_message)
+
+    def _owes_progress(self) -> bool:
+        stats = self._stats
+        return (
+            stats.get("num_running_requests", 0) + stats.get("num_waiting_requests", 0) > 0
+            or stats.get("num_requests_received", 0) < self._num_added
+        )
 
     def shutdown(self) -> None:
         if self._stopping:
@@ -192,11 +220,11 @@ class MPClient(EngineCoreClient):
         self._reader.join(SHUTDOWN_TIMEOUT_S)
         self._close()
 
-    def _send(self, kind: bytes, payload: object) -> None:
+    def _send(self, kind: bytes, payload: bytes) -> None:
         if self._stopping or not self.is_alive():
             raise EngineDeadError(self._death_message())
         try:
-            self._input.send_multipart([kind, encoder.encode(payload)], zmq.NOBLOCK)
+            self._input.send_multipart([kind, payload], zmq.NOBLOCK)
         except zmq.Again:
             raise EngineDeadError(self._death_message()) from None
 
@@ -230,6 +258,7 @@ class MPClient(EngineCoreClient):
                 return
             kind, outputs = message
             assert kind == OUTPUTS
+            self._last_message = time.monotonic()
             self._stats = outputs.stats
             self.output_handler(outputs)
 

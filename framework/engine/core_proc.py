@@ -92,9 +92,10 @@ class EngineCoreProc:
         self.parent_pid = parent_pid
 
     def run_busy_loop(self) -> None:
-        """Serve until a shutdown message or the parent's death. When the executor dies,
-        report the error for the requests in flight and raise: the process ends, and its
-        client sees an engine that died."""
+        """Serve until a shutdown message or the parent's death. A step that raises fails its
+        requests (every request, if it raised while scheduling) and the loop serves on. When
+        the executor dies, report the error for the requests in flight and raise: the process
+        ends, and its client sees an engine that died."""
         core = self.engine_core
         while True:
             if self.parent_pid is not None and os.getppid() != self.parent_pid:
@@ -117,14 +118,20 @@ class EngineCoreProc:
                 try:
                     outputs = core.step()
                 except ExecutorDeadError as e:
-                    failed = core.failed_req_ids + core.abort_all_requests()
+                    failed = (core.failed_req_ids or []) + core.abort_all_requests()
                     outputs = EngineCoreOutputs(error=str(e), failed_req_ids=failed)
                     self.output.send_multipart([OUTPUTS, encoder.encode(outputs)])
                     raise
                 except Exception as e:
-                    logger.exception("engine step failed; aborting every request")
-                    failed = core.failed_req_ids + core.abort_all_requests()
-                    outputs = EngineCoreOutputs(error=repr(e), failed_req_ids=failed)
+                    failed = core.failed_req_ids
+                    if failed is None:
+                        logger.exception("engine step failed to schedule; failing every request")
+                        failed = core.abort_all_requests()
+                    else:
+                        logger.exception("engine step failed; failing its requests")
+                    outputs = EngineCoreOutputs(
+                        error=f"{type(e).__name__}: {e}", failed_req_ids=failed
+                    )
             elif changed:
                 outputs = EngineCoreOutputs()
             else:

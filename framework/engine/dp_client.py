@@ -100,6 +100,10 @@ class DPClient(EngineCoreClient):
     def is_alive(self) -> bool:
         return all(core.is_alive() for core in self.cores)
 
+    def seconds_without_progress(self) -> float:
+        """The longest any core has owed a message (see ``MPClient``)."""
+        return max(core.seconds_without_progress() for core in self.cores)
+
     def shutdown(self) -> None:
         for core in self.cores:
             core.shutdown()

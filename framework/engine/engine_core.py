@@ -38,7 +38,7 @@ class EngineCoreOutputs:
     timestamp: float = 0.0
     stats: dict[str, int] | None = None
     error: str | None = None
-    """Set when a step raised: the core then aborted every request it held, the ids in
+    """Set when a step raised: the core then failed the step's requests, the ids in
     ``failed_req_ids``."""
     failed_req_ids: list[str] = field(default_factory=list)
 
@@ -81,8 +81,9 @@ class EngineCore:
         self.structured_output_manager = StructuredOutputManager(config)
         self.waiting_for_fsm: dict[str, Request] = {}
         """Requests whose structured-output constraint is still compiling."""
-        self.failed_req_ids: list[str] = []
-        """The requests the latest step that raised finished with an error."""
+        self.failed_req_ids: list[str] | None = []
+        """The requests the latest step that raised finished with an error; None when it
+        raised before it had scheduled, so which requests it concerned is unknown."""
         self.num_requests_received = 0
 
     def _init_kv_cache(self) -> None:
@@ -165,28 +166,32 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests() or bool(self.waiting_for_fsm)
 
     def step(self) -> EngineCoreOutputs:
-        """Schedule, execute, update. If execution raises, the step's requests are failed
-        (see ``Scheduler.fail_step``; their ids in ``failed_req_ids``) before the exception
-        propagates; the caller reports them."""
+        """Schedule, execute, update. If anything after scheduling raises, the step's
+        requests are failed (see ``Scheduler.fail_step``; their ids in ``failed_req_ids``)
+        before the exception propagates; the caller reports them. The other requests the core
+        holds are untouched. If scheduling itself raised, ``failed_req_ids`` is None."""
+        self.failed_req_ids = None
         failed = self._admit_compiled()
         if not self.scheduler.has_unfinished_requests():
             return EngineCoreOutputs(failed, timestamp=time.monotonic())
         start = time.monotonic()
         scheduler_output = self.scheduler.schedule()
-        self._add_grammar_bitmask(scheduler_output)
         try:
+            self._add_grammar_bitmask(scheduler_output)
             model_output = self.executor.execute_model(scheduler_output)
+            outputs = self.scheduler.update_from_output(
+                scheduler_output,
+                model_output.sampled_token_ids,
+                model_output.logprobs,
+                model_output.prompt_logprobs,
+                model_output.spec_token_ids,
+            )
+            self._advance_grammars(outputs)
         except Exception:
-            self.failed_req_ids = self.scheduler.fail_step(scheduler_output)
+            self.failed_req_ids = [o.req_id for o in failed] + self.scheduler.fail_step(
+                scheduler_output
+            )
             raise
-        outputs = self.scheduler.update_from_output(
-            scheduler_output,
-            model_output.sampled_token_ids,
-            model_output.logprobs,
-            model_output.prompt_logprobs,
-            model_output.spec_token_ids,
-        )
-        self._advance_grammars(outputs)
         return EngineCoreOutputs(
             failed + outputs, list(scheduler_output.num_scheduled_tokens), start
         )

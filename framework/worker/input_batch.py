@@ -76,7 +76,8 @@ class InputBatch:
         generator: torch.Generator | None,
         min_tokens_suppress: list[int],
     ) -> CachedRequestState:
-        row = self._free_rows.pop()
+        """Fill a free row for the request; the row is taken only once that succeeded."""
+        row = self._free_rows[-1]
         n = len(token_ids)
         self.token_ids[row, :n] = token_ids
         self.num_tokens[row] = n
@@ -84,7 +85,7 @@ class InputBatch:
         self.set_blocks(row, block_ids)
         self.temperature[row] = params.temperature
         self.top_p[row] = params.top_p
-        self.top_k[row] = params.top_k
+        self.top_k[row] = params.top_k if params.top_k < self.vocab_size else 0
         self.min_p[row] = params.min_p
         self.presence_penalty[row] = params.presence_penalty
         self.frequency_penalty[row] = params.frequency_penalty
@@ -101,6 +102,7 @@ class InputBatch:
         state = CachedRequestState(
             req_id, row, num_prompt_tokens, params, generator, min_tokens_suppress
         )
+        self._free_rows.pop()
         self.requests[req_id] = state
         return state
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import logging
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from http import HTTPStatus
@@ -14,9 +13,10 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from tokenmill.engine.async_llm import AsyncLLM
+from tokenmill.engine.async_llm import AsyncLLM, EngineStalledError
+from tokenmill.engine.core_client import EngineDeadError
 from tokenmill.entrypoints.openai.errors import (
     OpenAIError,
     from_exception,
@@ -31,8 +31,7 @@ from tokenmill.entrypoints.openai.protocol import (
     DetokenizeResponse,
     ModelCard,
     ModelList,
-    TokenizeChatRequest,
-    TokenizeCompletionRequest,
+    TokenizeRequest,
     TokenizeResponse,
 )
 from tokenmill.entrypoints.openai.serving_chat import OpenAIServingChat
@@ -40,28 +39,55 @@ from tokenmill.entrypoints.openai.serving_completions import OpenAIServingComple
 from tokenmill.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from tokenmill.entrypoints.openai.tool_calls import load_tool_parser
 
-logger = logging.getLogger(__name__)
-
 T = TypeVar("T")
 
 
 class APIKeyMiddleware:
-    """401 for ``/v1/*`` requests without ``Authorization: Bearer <api_key>``."""
+    """401 for ``/v1/*`` requests without ``Authorization: Bearer <api_key>`` (the scheme in
+    any case, as HTTP has it)."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
+            scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(
+                given.strip(), self.expected
+            ):
                 error = OpenAIError(
                     "Incorrect API key provided.", HTTPStatus.UNAUTHORIZED, code="invalid_api_key"
                 )
                 await error.to_response()(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class InternalErrorMiddleware:
+    """A 500 in OpenAI's form for an exception no handler took, logged once by
+    ``from_exception`` (Starlette's outermost middleware would log it a second time)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def watch(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watch)
+        except Exception as e:
+            error = from_exception(e)
+            if not started:
+                await error.to_response()(scope, receive, send)
 
 
 def build_app(
@@ -87,6 +113,7 @@ def build_app(
         engine.shutdown()
 
     app = FastAPI(title="tokenmill", lifespan=lifespan)
+    app.add_middleware(InternalErrorMiddleware)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
 
@@ -103,16 +130,13 @@ def build_app(
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
         return OpenAIError(str(exc.detail), HTTPStatus(exc.status_code), kind).to_response()
 
-    @app.exception_handler(Exception)
-    async def internal_error(_: Request, exc: Exception) -> JSONResponse:
-        logger.exception("request failed")
-        return from_exception(exc).to_response()
-
     @app.get("/health")
     async def health() -> Response:
-        if not engine.is_running():
+        try:
+            engine.check_health()
+        except (EngineDeadError, EngineStalledError) as e:
             return OpenAIError(
-                "the engine is not running", HTTPStatus.SERVICE_UNAVAILABLE, "server_error"
+                str(e), HTTPStatus.SERVICE_UNAVAILABLE, "server_error"
             ).to_response()
         return Response(status_code=200)
 
@@ -142,7 +166,7 @@ def build_app(
         return await _respond(chat.create_chat_completion(body), raw)
 
     @app.post("/tokenize")
-    async def tokenize(body: TokenizeChatRequest | TokenizeCompletionRequest) -> TokenizeResponse:
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
         return tokenization.tokenize_request(body)
 
     @app.post("/detokenize")

@@ -3,14 +3,17 @@ codes api.openai.com uses."""
 
 from __future__ import annotations
 
+import logging
 from http import HTTPStatus
 
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from tokenmill.engine.async_llm import QueueFullError
+from tokenmill.engine.async_llm import EngineStepError, QueueFullError
 from tokenmill.engine.core_client import EngineDeadError
 from tokenmill.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
+
+logger = logging.getLogger(__name__)
 
 MAX_PROBLEMS = 3
 """Validation problems quoted in one message (a union field gives one per alternative)."""
@@ -50,7 +53,9 @@ def model_not_found(model: str) -> OpenAIError:
 
 def from_exception(e: Exception, params: tuple[str, ...] = ()) -> OpenAIError:
     """Map an engine exception to its OpenAI error. A ``ValueError`` is the caller's fault
-    (400); its ``param`` is the request field its message starts with, if any of ``params``."""
+    (400); its ``param`` is the request field its message starts with, if any of ``params``.
+    The engine's own failures are 500s that name no internals; an unexpected exception is
+    logged here, with its traceback, and only here."""
     if isinstance(e, OpenAIError):
         return e
     if isinstance(e, ValueError):
@@ -62,7 +67,15 @@ def from_exception(e: Exception, params: tuple[str, ...] = ()) -> OpenAIError:
         )
     if isinstance(e, EngineDeadError):
         return OpenAIError(str(e), HTTPStatus.INTERNAL_SERVER_ERROR, "server_error")
-    return OpenAIError(f"internal error: {e!r}", HTTPStatus.INTERNAL_SERVER_ERROR, "server_error")
+    if isinstance(e, EngineStepError):
+        message = "the engine step running this request failed; the server log has the cause"
+        return OpenAIError(message, HTTPStatus.INTERNAL_SERVER_ERROR, "server_error")
+    logger.error("request failed", exc_info=e)
+    return OpenAIError(
+        "The server had an error while processing your request.",
+        HTTPStatus.INTERNAL_SERVER_ERROR,
+        "server_error",
+    )
 
 
 def from_validation_error(exc: RequestValidationError) -> OpenAIError:
@@ -71,7 +84,7 @@ def from_validation_error(exc: RequestValidationError) -> OpenAIError:
     if not errors:
         return OpenAIError("invalid request body")
     first = errors[0]
-    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    loc = _field_path(first)
     if first.get("type") == "json_invalid":
         detail = first.get("ctx", {}).get("error", "")
         return OpenAIError(f"the request body is not valid JSON: {detail}".rstrip(": "))
@@ -88,9 +101,24 @@ def from_validation_error(exc: RequestValidationError) -> OpenAIError:
     return OpenAIError(message, param=param)
 
 
+def _field_path(error: dict) -> list[str]:
+    """The request fields (and indices) an error is at, without ``body`` and without the
+    names of union alternatives (``str``, ``list[int]``, a model class), which are internal."""
+    return [
+        str(part)
+        for part in error.get("loc", ())
+        if isinstance(part, int)
+        or not (part == "body" or part in _TYPE_NAMES or "[" in part or part[:1].isupper())
+    ]
+
+
+_TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
 def _describe(error: dict) -> str:
-    loc = ".".join(str(p) for p in error.get("loc", ()) if p != "body")
+    loc = ".".join(_field_path(error))
     got = repr(error.get("input"))
     if len(got) > 60:
         got = got[:57] + "..."
-    return f"{loc}: {error.get('msg', 'invalid')} (got {got})"
+    message = error.get("msg", "invalid").removeprefix("Value error, ")
+    return f"{loc}: {message} (got {got})"

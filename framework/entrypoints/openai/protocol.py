@@ -10,13 +10,17 @@ import json
 import logging
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
     ConfigDict,
+    Discriminator,
     Field,
     SerializerFunctionWrapHandler,
+    Tag,
+    ValidationInfo,
+    field_validator,
     model_serializer,
     model_validator,
 )
@@ -52,7 +56,48 @@ VLLM_UNIMPLEMENTED_DEFAULTS: dict[str, Any] = {
 
 
 class OpenAIModel(BaseModel):
+    """A request body (or part of one): strict types, no unknown fields, and text that is
+    valid Unicode (JSON escapes can spell lone surrogates, which no tokenizer or UTF-8
+    encoder takes)."""
+
     model_config = ConfigDict(extra="forbid", strict=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_lone_surrogates(cls, value: Any, info: ValidationInfo) -> Any:
+        where = _lone_surrogate(value)
+        if where is not None:
+            raise ValueError(
+                f"{info.field_name}{where} holds a lone surrogate; text must be valid Unicode"
+            )
+        return value
+
+
+def _lone_surrogate(value: Any) -> str | None:
+    """Where in ``value`` (a path such as ``[0]['content']``; "" for ``value`` itself) a string
+    holds a lone surrogate; None if nowhere.
+
+    A list that starts with an int is not searched (token ids can number millions): the
+    strict fields that take one hold ints only, and any other string reaching the engine
+    core is refused there."""
+    if isinstance(value, str):
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            return ""
+    elif isinstance(value, list) and not (value and isinstance(value[0], int)):
+        for i, item in enumerate(value):
+            where = _lone_surrogate(item)
+            if where is not None:
+                return f"[{i}]{where}"
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            where = _lone_surrogate(key)
+            if where is None:
+                where = _lone_surrogate(item)
+            if where is not None:
+                return f"[{key!r}]{where}"
+    return None
 
 
 class ErrorInfo(BaseModel):
@@ -82,6 +127,8 @@ class ModelList(BaseModel):
 
 class StreamOptions(OpenAIModel):
     include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+    """With ``include_usage``: every chunk carries the usage so far (vLLM's extension)."""
 
 
 class PromptTokensDetails(BaseModel):
@@ -433,6 +480,23 @@ class TokenizeChatRequest(OpenAIModel):
     add_generation_prompt: bool = True
     add_special_tokens: bool = False
     return_token_strs: bool | None = False
+
+
+def _tokenize_kind(body: Any) -> str:
+    return (
+        "TokenizeChatRequest"
+        if isinstance(body, dict) and "messages" in body
+        else "TokenizeCompletionRequest"
+    )
+
+
+TokenizeRequest = Annotated[
+    Annotated[TokenizeChatRequest, Tag("TokenizeChatRequest")]
+    | Annotated[TokenizeCompletionRequest, Tag("TokenizeCompletionRequest")],
+    Discriminator(_tokenize_kind),
+]
+"""``POST /tokenize``'s body: chat messages if it has ``messages``, else a prompt (so a bad
+body is reported against the one it meant to be)."""
 
 
 class TokenizeResponse(BaseModel):

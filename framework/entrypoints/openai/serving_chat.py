@@ -22,7 +22,7 @@ from tokenmill.entrypoints.openai.protocol import (
     TopLogprob,
     UsageInfo,
 )
-from tokenmill.entrypoints.openai.serving_engine import OpenAIServing
+from tokenmill.entrypoints.openai.serving_engine import OpenAIServing, usage_options
 from tokenmill.entrypoints.openai.structured_outputs import structured_outputs_of
 from tokenmill.entrypoints.openai.tool_calls import (
     ToolCallStream,
@@ -67,12 +67,16 @@ class OpenAIServingChat(OpenAIServing):
                 param="tool_choice",
             )
         ids = self.tokenize(self._apply_chat_template(request), "messages")[1]
-        max_tokens = request.max_completion_tokens
+        max_tokens, max_tokens_param = request.max_completion_tokens, "max_completion_tokens"
         if max_tokens is None:
-            max_tokens = request.max_tokens
-        self.check_context(len(ids), max_tokens)
+            max_tokens, max_tokens_param = request.max_tokens, "max_tokens"
+        self.check_context(len(ids), max_tokens, max_tokens_param)
         params = self.sampling_params(
-            request, max_tokens, self._num_logprobs(request), constraint or requested
+            request,
+            max_tokens,
+            self._num_logprobs(request),
+            constraint or requested,
+            max_tokens_param,
         )
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await self.start(
@@ -155,6 +159,11 @@ class OpenAIServingChat(OpenAIServing):
 
         num_generated = 0
         num_cached = 0
+        include_usage, continuous_usage = usage_options(request)
+
+        def usage_so_far() -> UsageInfo | None:
+            return UsageInfo.of(num_prompt, num_generated, num_cached) if continuous_usage else None
+
         try:
             yield chunk(
                 [
@@ -162,7 +171,8 @@ class OpenAIServingChat(OpenAIServing):
                         index=i, delta=DeltaMessage(role="assistant", content="")
                     )
                     for i in range(request.n)
-                ]
+                ],
+                usage_so_far(),
             )
             async for output in stream:
                 num_cached = output.num_cached_tokens
@@ -183,9 +193,10 @@ class OpenAIServingChat(OpenAIServing):
                                 ),
                                 stop_reason=c.stop_reason,
                             )
-                        ]
+                        ],
+                        usage_so_far(),
                     )
-            if request.stream_options and request.stream_options.include_usage:
+            if include_usage:
                 yield chunk([], UsageInfo.of(num_prompt, num_generated, num_cached))
         except Exception as e:
             yield from_exception(e).to_sse()

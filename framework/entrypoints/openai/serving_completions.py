@@ -16,7 +16,11 @@ from tokenmill.entrypoints.openai.protocol import (
     CompletionStreamResponse,
     UsageInfo,
 )
-from tokenmill.entrypoints.openai.serving_engine import OpenAIServing, merge_streams
+from tokenmill.entrypoints.openai.serving_engine import (
+    OpenAIServing,
+    merge_streams,
+    usage_options,
+)
 from tokenmill.entrypoints.openai.structured_outputs import structured_outputs_of
 from tokenmill.logprobs import Logprob, PromptLogprobs
 from tokenmill.outputs import CompletionOutput
@@ -80,9 +84,11 @@ class OpenAIServingCompletion(OpenAIServing):
             return f"data: {body.model_dump_json()}\n\n"
 
         offsets = {}
+        num_prompt = sum(len(ids) for _, ids in prompts)
         num_generated = 0
         num_cached: dict[int, int] = {}
         prompt_logprobs: dict[int, PromptLogprobs] = {}
+        include_usage, continuous_usage = usage_options(request)
         try:
             async for i, output in merge_streams(streams):
                 num_cached[i] = output.num_cached_tokens
@@ -105,9 +111,11 @@ class OpenAIServingCompletion(OpenAIServing):
                         prompt_logprobs.get(i) if echo else None,
                     )
                     offsets[index] = offsets.get(index, 0) + len(choice.text)
-                    yield chunk([choice])
-            if request.stream_options and request.stream_options.include_usage:
-                num_prompt = sum(len(ids) for _, ids in prompts)
+                    usage = None
+                    if continuous_usage:
+                        usage = UsageInfo.of(num_prompt, num_generated, sum(num_cached.values()))
+                    yield chunk([choice], usage)
+            if include_usage:
                 yield chunk([], UsageInfo.of(num_prompt, num_generated, sum(num_cached.values())))
         except Exception as e:
             yield from_exception(e).to_sse()

@@ -79,8 +79,10 @@ class OpenAIServing:
         max_tokens: int | None,
         logprobs: int | None,
         structured_outputs: StructuredOutputsParams | None = None,
+        max_tokens_param: str = "max_tokens",
     ) -> SamplingParams:
-        """``SamplingParams`` from the request; an invalid value is a 400 naming the field."""
+        """``SamplingParams`` from the request; an invalid value is a 400 naming the field
+        (``max_tokens`` is reported as ``max_tokens_param``, the field that gave it)."""
         kwargs: dict[str, Any] = {
             name: getattr(request, name)
             for name in SAMPLING_FIELDS
@@ -94,7 +96,10 @@ class OpenAIServing:
                 **kwargs,
             )
         except ValueError as e:
-            raise from_exception(e, PARAM_NAMES) from None
+            message = str(e)
+            if message.startswith("max_tokens "):
+                message = max_tokens_param + message.removeprefix("max_tokens")
+            raise from_exception(ValueError(message), PARAM_NAMES + (max_tokens_param,)) from None
 
     def tokenize(self, prompt: str | list[int], param: str) -> tuple[str | None, list[int]]:
         """Text and token ids of a prompt, checked against the vocabulary and context."""
@@ -105,8 +110,11 @@ class OpenAIServing:
         except ValueError as e:
             raise OpenAIError(str(e), param=param) from None
 
-    def check_context(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
-        """OpenAI's 400 when prompt and completion together exceed the context."""
+    def check_context(
+        self, num_prompt_tokens: int, max_tokens: int | None, param: str = "max_tokens"
+    ) -> None:
+        """OpenAI's 400 when prompt and completion together exceed the context; ``param``:
+        the field that gave ``max_tokens``."""
         limit = self.engine.max_model_len
         if max_tokens is not None and num_prompt_tokens + max_tokens > limit:
             raise OpenAIError(
@@ -114,7 +122,7 @@ class OpenAIServing:
                 f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the "
                 f"prompt, {max_tokens} in the completion). Please reduce the length of the "
                 "prompt or completion.",
-                param="max_tokens",
+                param=param,
             )
 
     async def start(
@@ -159,6 +167,15 @@ class OpenAIServing:
             text = tokenizer.decode([token_id]) if tokenizer else f"token_id:{token_id}"
             self._token_texts[token_id] = text
         return text
+
+
+def usage_options(request: SamplingFields) -> tuple[bool, bool]:
+    """Whether a stream ends with a usage chunk (``include_usage``), and whether every chunk
+    also carries the usage so far (``continuous_usage_stats``, which, as in vLLM, needs
+    ``include_usage``)."""
+    options = request.stream_options
+    include = bool(options and options.include_usage)
+    return include, include and bool(options and options.continuous_usage_stats)
 
 
 async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
