@@ -10,6 +10,7 @@ import asyncio
 
 import pytest
 
+from spec_decode_common import assert_same_completion
 from tokenmill import LLM, SamplingParams
 from tokenmill.engine.async_llm import AsyncLLM
 from tokenmill.outputs import CompletionOutput
@@ -56,17 +57,6 @@ def _params(tokenizer, case: dict) -> SamplingParams:
     if "stop_token_ids" in case:
         case["stop_token_ids"] = [tokenizer.encode(" " + word)[0] for word in case["stop_token_ids"]]
     return SamplingParams(**{"temperature": 0, "max_tokens": 30, "logprobs": 2, **case})
-
-
-def assert_same_completion(a: CompletionOutput, b: CompletionOutput) -> None:
-    assert (a.text, a.token_ids, a.finish_reason, a.stop_reason) == (b.text, b.token_ids, b.finish_reason, b.stop_reason)
-    assert len(a.logprobs) == len(b.logprobs) == len(a.token_ids)
-    for x, y in zip(a.logprobs, b.logprobs):
-        assert x.keys() == y.keys()
-        for token in x:
-            assert x[token].rank == y[token].rank
-            assert x[token].logprob == pytest.approx(y[token].logprob, abs=1e-4)
-    assert a.cumulative_logprob == pytest.approx(b.cumulative_logprob, abs=1e-4)
 
 
 @pytest.mark.parametrize("case", list(CASES))
