@@ -4,8 +4,10 @@ The draft model runs in the target's worker with its own layers' KV caches laid 
 blocks and block tables. After each target step that speculates it first runs over the step's
 verified tokens and each drafting request's new token (so its cache follows the target's,
 prefill chunks, prefix-cache hits and recomputation after preemption included), then k - 1
-more single-token steps. Drafts are the draft model's argmax: deterministic proposals, which the rejection
-sampler verifies exactly for greedy and random requests alike.
+more single-token steps. Steps that do not speculate (``disable_by_batch_size``) do not run it;
+the first pass after them starts at each request's ``cache_start_positions``, catching up the
+tokens they computed as one prefill chunk. Drafts are the draft model's argmax: deterministic
+proposals, which the rejection sampler verifies exactly for greedy and random requests alike.
 """
 
 from __future__ import annotations
@@ -33,8 +35,9 @@ class DraftModelProposer(ModelProposer):
         step, ib = batch.step, batch.input_batch
         assert step is not None and self.model is not None
         drafting = np.isin(step.rows, rows)
-        num_new = ib.num_computed_tokens[step.rows] - step.start_positions + drafting
-        flat = step.prepare(step.rows, step.start_positions, num_new)
+        start = step.cache_start_positions
+        num_new = ib.num_computed_tokens[step.rows] - start + drafting
+        flat = step.prepare(step.rows, start, num_new)
         hidden = self._run(flat, flat.input_ids, flat.positions)
         at = torch.from_numpy(step_indices(step.rows, rows)).to(self.device)
         last = flat.last_token_index[at]

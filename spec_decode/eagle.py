@@ -5,9 +5,11 @@ All three continue from the target's features rather than from tokens alone, aft
 at ``p`` (for ``eagle3`` the fused low/mid/high-layer states, for ``eagle`` and ``mtp`` the final
 ones) and the embedding of the token at ``p + 1``. After each target step that speculates the
 head first runs over every scheduled request's newly verified positions (so its cache follows
-the target's through chunked prefill, prefix-cache hits and recomputation after preemption;
-a step that does not speculate leaves its positions out, at no cost); a drafting
-request's last verified position takes its just-sampled token and yields the first draft. Each
+the target's through chunked prefill, prefix-cache hits and recomputation after preemption);
+a drafting request's last verified position takes its just-sampled token and yields the
+first draft. The target's hidden states exist only during their step, so a step that does not
+speculate (``disable_by_batch_size``) runs this first pass too (``every_step``: one head layer
+over the step's tokens, no LM head, no drafts), and drafting resumes on a complete cache. Each
 of the k - 1 further single-token steps feeds the head's own output state back with the previous
 draft. Drafts are argmax tokens (deterministic proposals, which the rejection sampler verifies
 exactly for greedy and random requests alike).
@@ -50,6 +52,8 @@ HEAD_ARCHITECTURES = {"eagle": "EagleLlamaForCausalLM", "eagle3": "Eagle3LlamaFo
 
 
 class EagleProposer(ModelProposer):
+    every_step = True
+
     def __init__(self, spec: SpeculativeConfig, config: EngineConfig, device: torch.device) -> None:
         super().__init__(spec, config, device)
         self.method = spec.method

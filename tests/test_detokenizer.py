@@ -69,7 +69,8 @@ def run(tokenizer, ids, prompt="Prompt: 日本", **params):
     detok = IncrementalDetokenizer(tokenizer, tokenizer.encode(prompt), SamplingParams(**params))
     texts, deltas, stopped = [], [], None
     for token_id in ids:
-        stopped = detok.update([token_id])
+        match = detok.update([token_id])
+        stopped = None if match is None else match.stop_str
         texts.append(detok.output_text)
         deltas.append(detok.get_next_output_text(finished=stopped is not None, delta=True))
         if stopped:
@@ -134,10 +135,50 @@ def test_streaming_never_shows_part_of_a_stop_string(byte_tokenizer):
     assert streamed == TEXT[: TEXT.index(stop)]
 
 
-def test_earliest_stop_string_wins(byte_tokenizer):
-    detok = IncrementalDetokenizer(byte_tokenizer, [], SamplingParams(stop=["gamma", "beta"]))
-    assert detok.update(byte_tokenizer.encode("alpha beta gamma")) == "beta"
-    assert detok.output_text == "alpha "
+def _feed(detok: IncrementalDetokenizer, ids: list[int], chunk: int, stop_terminated: bool):
+    """``ids`` in updates of ``chunk`` ids (a speculative step brings several); returns the ids
+    taken and the stop string, as the output processor keeps them."""
+    taken = []
+    for start in range(0, len(ids), chunk):
+        new = ids[start : start + chunk]
+        match = detok.update(new, stop_terminated and start + chunk >= len(ids))
+        if match is not None:
+            return taken + new[: match.num_tokens], match.stop_str
+        taken += new
+    return taken, None
+
+
+@pytest.mark.parametrize("include", [False, True])
+@pytest.mark.parametrize("stop_terminated", [False, True])
+@pytest.mark.parametrize(
+    "stop",
+    [["gamma", "beta"], ["beta gamma", "a g"], ["a g", "beta gamma"], ["ta", "lph"], ["nowhere"]],
+    ids=["apart", "overlap", "overlap-swapped", "inside-one-token", "none"],
+)
+def test_several_tokens_per_update_equal_one_per_update(byte_tokenizer, stop, stop_terminated, include):
+    """The first token at which any stop string completes ends the output, however many ids an
+    update brings: the ids after it are not taken, and the text is the one-by-one text."""
+    ids = byte_tokenizer.encode("alpha beta gamma delta")
+    params = SamplingParams(stop=stop, include_stop_str_in_output=include, skip_special_tokens=False)
+    one = IncrementalDetokenizer(byte_tokenizer, [], params)
+    expected = _feed(one, ids, 1, stop_terminated)
+    for chunk in range(2, len(ids) + 1):
+        detok = IncrementalDetokenizer(byte_tokenizer, [], params)
+        assert _feed(detok, ids, chunk, stop_terminated) == expected
+        assert detok.output_text == one.output_text
+        assert detok.output_token_ids == one.output_token_ids == expected[0]
+
+
+def test_first_completed_stop_string_wins(byte_tokenizer):
+    """Of overlapping stop strings the one that completes first wins, not the one that starts
+    first (as when tokens arrive one per step)."""
+    ids = byte_tokenizer.encode("alpha beta gamma")
+    detok = IncrementalDetokenizer(byte_tokenizer, [], SamplingParams(stop=["beta gamma", "a g"]))
+    match = detok.update(ids)
+    assert match is not None and match.stop_str == "a g"
+    assert detok.output_text == "alpha bet"
+    assert byte_tokenizer.decode(ids[: match.num_tokens]).endswith("a g")
+    assert not byte_tokenizer.decode(ids[: match.num_tokens - 1]).endswith("a g")
 
 
 def test_non_delta_output_is_the_whole_text_minus_the_held_back_tail(byte_tokenizer):

@@ -17,7 +17,7 @@ import torch
 from conftest import make_tiny_checkpoint
 from deepseek_checkpoints import write_mtp_checkpoint
 from eagle_heads import write_eagle_head
-from spec_decode_common import ENGINES, generate, random_prompts
+from spec_decode_common import ENGINES, assert_same_completion, generate, generate_toggling, random_prompts
 from tokenmill import LLM, SamplingParams
 
 
@@ -102,10 +102,10 @@ def test_prompt_lookup_drafts_first(models, prompts, references, method, engine,
         assert (got.num_draft_tokens[~f] == 3).all()
 
 
-def test_a_step_that_does_not_speculate_runs_no_head(models, prompts, references, monkeypatch):
-    """Speculation off for every step (``disable_by_batch_size`` 1): the head never runs, not
-    even to keep its cache in step. With a cut-off of 4 and requests ending one by one, drafting
-    resumes over a head cache that missed the earlier steps; outputs stay exact."""
+def test_a_step_that_does_not_speculate_runs_the_head_without_drafting(models, prompts, references, monkeypatch):
+    """Speculation off for every step (``disable_by_batch_size`` 1): the head still runs after
+    each step, over no request to draft for (only its cache pass), and nothing is drafted.
+    With a cut-off of 4 and requests ending one by one, drafting resumes; outputs stay exact."""
     from tokenmill.spec_decode.eagle import EagleProposer
 
     calls = []
@@ -120,7 +120,8 @@ def test_a_step_that_does_not_speculate_runs_no_head(models, prompts, references
     llm = LLM(model=models["target"], num_kv_blocks=256, max_model_len=256,
               speculative_config=spec | {"disable_by_batch_size": 1})
     assert generate(llm, prompts) == references["target"]
-    assert calls == []
+    assert calls and not any(calls)
+    assert llm.get_stats()["spec_num_drafts"] == 0
     llm = LLM(model=models["target"], num_kv_blocks=256, max_model_len=256,
               speculative_config=spec | {"disable_by_batch_size": 4})
     lengths = [3 * i + 3 for i in range(len(prompts))]
@@ -128,6 +129,43 @@ def test_a_step_that_does_not_speculate_runs_no_head(models, prompts, references
     expected = [ref[:n] for ref, n in zip(references["target"], lengths)]
     assert generate(llm, prompts, params) == expected
     assert llm.get_stats()["spec_num_drafts"] > 0
+
+
+@pytest.mark.parametrize("head", ["eagle", "eagle3", "mtp"])
+def test_toggling_speculation_keeps_the_heads_cache_complete(models, prompts, head, monkeypatch):
+    """Concurrency 1 -> 3 -> 1 under the default cut-off of 2. Every output field equals the
+    non-speculative run's, and every draft, before and after the steps that did not speculate,
+    is the one the head makes for a fresh request of the same tokens (whose head cache is
+    complete): those steps left no holes in the head's cache."""
+    from tokenmill.spec_decode.eagle import EagleProposer
+
+    drafts: dict[tuple[int, ...], list[int]] = {}
+    propose = EagleProposer.propose
+
+    def spy(self, batch):
+        proposal = propose(self, batch)
+        for j, row in enumerate(batch.rows):
+            tokens = tuple(batch.input_batch.token_ids[row, : batch.input_batch.num_tokens[row]].tolist())
+            drafts[tokens] = proposal.draft_token_ids[j, : proposal.num_draft_tokens[j]].tolist()
+        return proposal
+
+    monkeypatch.setattr(EagleProposer, "propose", spy)
+    target = "deepseek" if head == "mtp" else "target"
+    spec = {"method": head, "num_speculative_tokens": 3}
+    if head != "mtp":
+        spec["model"] = models[head]
+    long_prompt, *short = (p["prompt_token_ids"] for p in prompts[:3])
+    engine = {"model": models[target], "num_kv_blocks": 256, "max_model_len": 256}
+    reference, _, _ = generate_toggling(LLM(**engine), long_prompt, short, max_tokens=48)
+    outputs, _, resumed = generate_toggling(LLM(**engine, speculative_config=spec), long_prompt, short, max_tokens=48)
+    for got, expected in zip(outputs, reference):
+        assert_same_completion(got.outputs[0], expected.outputs[0])
+    assert resumed["spec_num_drafts"] > 0
+    toggling = {tokens: d for tokens, d in drafts.items() if tokens[: len(long_prompt)] == tuple(long_prompt)}
+    drafts.clear()
+    fresh = LLM(**engine, speculative_config=spec | {"disable_by_batch_size": 0})
+    generate(fresh, [{"prompt_token_ids": list(t[:-1])} for t in toggling], SamplingParams(temperature=0, max_tokens=1))
+    assert drafts == toggling
 
 
 def test_mtp_reuses_its_layer_beyond_num_nextn_predict_layers(models, prompts, references):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from transformers import PreTrainedTokenizerBase
 
 from tokenmill.sampling_params import SamplingParams
@@ -10,6 +12,19 @@ PROMPT_CONTEXT_TOKENS = 5
 """Prompt tokens decoded as context before the first output token (vLLM's initial offset)."""
 
 _REPLACEMENT_CHAR = "\ufffd"
+
+
+@dataclass(frozen=True)
+class StopMatch:
+    """A stop string completed by one of the token ids passed to ``update``.
+
+    Attributes:
+        stop_str: the stop string.
+        num_tokens: how many of those ids the output keeps: up to the one that completed it.
+    """
+
+    stop_str: str
+    num_tokens: int
 
 
 class IncrementalDetokenizer:
@@ -25,7 +40,7 @@ class IncrementalDetokenizer:
     nothing is emitted and the window grows; otherwise ``pending`` becomes the new context.
 
     Attributes:
-        output_token_ids: every output token id passed to ``update``.
+        output_token_ids: the output token ids ``update`` took.
         output_text: the text so far, cut at a matched stop string.
     """
 
@@ -46,44 +61,40 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._window)
         self._last_output_text_offset = 0
 
-    def update(self, new_token_ids: list[int], stop_terminated: bool = False) -> str | None:
+    def update(self, new_token_ids: list[int], stop_terminated: bool = False) -> StopMatch | None:
         """Append ``new_token_ids``, extend ``output_text`` and check the stop strings.
 
         ``stop_terminated``: the last id ended the request (EOS or a stop token id); as in
         vLLM, its text is left out unless ``include_stop_str_in_output``.
 
-        Stop strings are looked for once ``min_tokens`` tokens exist, in the text added by
-        this call plus the tail of the text before it, so a stop string spanning tokens is
-        found. On a match ``output_text`` is cut before the earliest one (after it with
-        ``include_stop_str_in_output``) and the matched string is returned; else None.
+        The ids are taken one at a time, exactly as if each arrived in a step of its own (a
+        speculative step brings several): once more than ``min_tokens`` tokens exist, stop
+        strings are looked for in the text each token adds plus the tail before it, so a stop
+        string spanning tokens is found. The first token at which one completes ends the
+        output: the ids after it are not taken, ``output_text`` is cut before the match
+        (after it with ``include_stop_str_in_output``), and the match is returned; else None.
         """
         if not new_token_ids:
             return None
         skipped_id = None
         if stop_terminated and not self.include_stop_str_in_output:
             *new_token_ids, skipped_id = new_token_ids
-        stop_check_offset = len(self.output_text)
-        for token_id in new_token_ids:
+        for num_taken, token_id in enumerate(new_token_ids, 1):
             self.output_token_ids.append(token_id)
-            self.output_text += self._decode_next(token_id)
-            if len(self.output_token_ids) <= self.min_tokens:
-                stop_check_offset = len(self.output_text)
+            new_text = self._decode_next(token_id)
+            self.output_text += new_text
+            if not self.stop or len(self.output_token_ids) <= self.min_tokens:
+                continue
+            match = find_stop_string(
+                self.output_text, len(new_text), self.stop, self.include_stop_str_in_output
+            )
+            if match is not None:
+                stop_str, truncate_to = match
+                self.output_text = self.output_text[:truncate_to]
+                return StopMatch(stop_str, num_taken)
         if skipped_id is not None:
             self.output_token_ids.append(skipped_id)
-
-        if not self.stop or len(self.output_token_ids) <= self.min_tokens:
-            return None
-        match = find_stop_string(
-            self.output_text,
-            len(self.output_text) - stop_check_offset,
-            self.stop,
-            self.include_stop_str_in_output,
-        )
-        if match is None:
-            return None
-        stop_str, truncate_to = match
-        self.output_text = self.output_text[:truncate_to]
-        return stop_str
+        return None
 
     def get_next_output_text(self, finished: bool, delta: bool) -> str:
         """Text to report now: all of it, or with ``delta`` only what was not reported before.

@@ -183,30 +183,35 @@ class OutputProcessor:
                 if metrics.first_token_time is None:
                     metrics.first_token_time = now
             state.num_cached_tokens = out.num_cached_tokens
-            completion.token_ids.extend(out.new_token_ids)
-            self.num_generated_tokens += len(out.new_token_ids)
-            new_logprobs = None
-            if completion.logprobs is not None and out.new_logprobs:
-                new_logprobs = self._logprob_dicts(out.new_logprobs)
-                completion.logprobs.extend(new_logprobs)
-                completion.cumulative_logprob += sum(row[0] for row in out.new_logprobs.logprobs)
-            if state.wants_prompt_logprobs and out.new_prompt_logprobs is not None:
-                state.set_prompt_logprobs([None, *self._logprob_dicts(out.new_prompt_logprobs)])
+            new_token_ids, new_logprob_lists = out.new_token_ids, out.new_logprobs
             finish_reason, stop_reason = out.finish_reason, out.stop_reason
             detok = state.detokenizers[index]
             if detok is not None:
-                stop_str = detok.update(out.new_token_ids, finish_reason == "stop")
-                if stop_str is not None:
+                match = detok.update(new_token_ids, finish_reason == "stop")
+                if match is not None:
+                    new_token_ids = new_token_ids[: match.num_tokens]
+                    if new_logprob_lists is not None:
+                        new_logprob_lists = new_logprob_lists.slice(0, match.num_tokens)
                     if finish_reason is None:
-                        stopped.append((out.req_id, stop_str))
-                    finish_reason, stop_reason = "stop", stop_str
+                        stopped.append((out.req_id, match.stop_str))
+                    finish_reason, stop_reason = "stop", match.stop_str
                 completion.text = detok.get_next_output_text(finish_reason is not None, delta=False)
+            completion.token_ids.extend(new_token_ids)
+            self.num_generated_tokens += len(new_token_ids)
+            new_logprobs = None
+            if completion.logprobs is not None and new_logprob_lists:
+                new_logprobs = self._logprob_dicts(new_logprob_lists)
+                completion.logprobs.extend(new_logprobs)
+                for row in new_logprob_lists.logprobs:
+                    completion.cumulative_logprob += row[0]
+            if state.wants_prompt_logprobs and out.new_prompt_logprobs is not None:
+                state.set_prompt_logprobs([None, *self._logprob_dicts(out.new_prompt_logprobs)])
             finished = finish_reason is not None
             if finished:
                 self._finish_child(state, out.req_id, completion, finish_reason, stop_reason, now)
             if state.output_kind is RequestOutputKind.DELTA:
                 text = "" if detok is None else detok.get_next_output_text(finished, delta=True)
-                state.add_delta(index, text, out.new_token_ids, new_logprobs)
+                state.add_delta(index, text, new_token_ids, new_logprobs)
             touched[state.request_id] = state
         return ProcessedOutputs(_outputs(touched.values()), stopped)
 

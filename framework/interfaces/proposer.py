@@ -54,6 +54,12 @@ class TargetStep:
     Attributes:
         rows: ``[S]`` ``InputBatch`` rows of every request scheduled this step, in step order.
         start_positions: ``[S]`` position of each request's first scheduled token.
+        cache_start_positions: ``[S]`` the first position of each request that the proposer's
+            cache lacks: ``start_positions``, or earlier where steps the proposer was not
+            called after (``Proposer.every_step`` False) left positions out. A proposer fills
+            its cache from here up to the request's verified end, which the runner then takes
+            as filled; the tokens before ``start_positions`` are in ``InputBatch.token_ids``,
+            their hidden states are gone.
         query_start_loc: ``[S + 1]`` where each request's tokens lie in ``hidden_states``.
         hidden_states: ``[T, hidden]`` the target's last-layer states of the step's tokens.
         prepare: ``prepare(rows, num_computed, num_new)`` flattens ``num_new`` tokens of each
@@ -69,6 +75,7 @@ class TargetStep:
 
     rows: np.ndarray
     start_positions: np.ndarray
+    cache_start_positions: np.ndarray
     query_start_loc: np.ndarray
     hidden_states: torch.Tensor
     prepare: Callable[[np.ndarray, np.ndarray, np.ndarray], FlatInputs]
@@ -81,11 +88,9 @@ class ProposalBatch:
 
     Attributes:
         req_ids: the requests to draft for (they sampled this step and may speculate); may be
-            empty (a step of prompt chunks only), so that a model-based proposer can keep its
-            caches in step with the target. A step that does not speculate
-            (``disable_by_batch_size``) does not call the proposer: its positions stay missing
-            from a head's cache, which later drafts attend to as they are (lower acceptance,
-            never a wrong output: the target verifies every draft).
+            empty (a step of prompt chunks only, or a step that does not speculate, with
+            ``Proposer.every_step``), so that a model-based proposer can keep its caches in
+            step with the target.
         rows: ``[R]`` their ``InputBatch`` rows.
         input_batch: the persistent per-request arrays (read, never written).
         num_speculative_tokens: the most draft tokens to propose per request (k).
@@ -123,6 +128,15 @@ class Proposer(ABC):
 
     uses_target_step: bool = False
     """True for proposers that need ``ProposalBatch.step`` (their own model, hidden states)."""
+
+    every_step: bool = False
+    """How the proposer's cache keeps up over steps that do not speculate
+    (``disable_by_batch_size``). True: ``propose`` is called after those steps too, with no
+    requests to draft for, to fill its cache from what only that step has (a head reading the
+    target's hidden states). False: it is not called; ``TargetStep.cache_start_positions``
+    hands it the positions those steps computed when it next runs, to catch up from their token
+    ids (a draft model, for which one pass over the missed tokens costs less than one per step).
+    """
 
     num_lookahead_tokens: int = 0
     """KV slots past the scheduled tokens each request needs for this proposer's own cache

@@ -45,6 +45,9 @@ class InputBatch:
         self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.proposer_num_computed = np.zeros(max_num_reqs, dtype=np.int64)
+        """Positions ``[0, n)`` of each row are in the speculative proposer's cache (prefix-cache
+        hits are taken as in it); ``TargetStep.cache_start_positions``."""
         self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int64)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
         self.temperature = np.zeros(max_num_reqs, dtype=np.float32)
@@ -82,6 +85,7 @@ class InputBatch:
         self.token_ids[row, :n] = token_ids
         self.num_tokens[row] = n
         self.num_computed_tokens[row] = num_computed_tokens
+        self.proposer_num_computed[row] = num_computed_tokens
         self.set_blocks(row, block_ids)
         self.temperature[row] = params.temperature
         self.top_p[row] = params.top_p

@@ -269,22 +269,21 @@ class ModelRunner:
         if len(sampling):
             result = self._sample(out, req_ids, sampling, rows[sampling], cu, hidden)
             result.prompt_logprobs = prompt_logprobs
-        # A step that does not speculate (disable_by_batch_size) does not run the proposer at
-        # all: a head's cache then lacks that step's positions, which only lowers acceptance.
-        if self.proposer is not None and out.speculate:
+        if self.proposer is not None and (out.speculate or self.proposer.every_step):
             step = None
             if self.proposer.uses_target_step:
                 step = TargetStep(
-                    rows,
-                    num_computed,
-                    np.concatenate(([0], cu)),
-                    hidden,
-                    self.prepare_flat_inputs,
-                    aux_hidden,
+                    rows=rows,
+                    start_positions=num_computed,
+                    cache_start_positions=batch.proposer_num_computed[rows],
+                    query_start_loc=np.concatenate(([0], cu)),
+                    hidden_states=hidden,
+                    prepare=self.prepare_flat_inputs,
+                    aux_hidden_states=aux_hidden,
                 )
-            result.spec_token_ids = spec_decode.propose(
-                self, self.proposer, req_ids, list(result.sampled_token_ids), step
-            )
+            drafting = list(result.sampled_token_ids) if out.speculate else []
+            result.spec_token_ids = spec_decode.propose(self, self.proposer, req_ids, drafting, step)
+            batch.proposer_num_computed[rows] = batch.num_computed_tokens[rows]
         return result
 
     def _sample(
