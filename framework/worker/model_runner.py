@@ -5,9 +5,11 @@ mapping, block table, query start locations, sequence lengths); the attention ba
 is built once for the step; the model runs once; the rows whose scheduled chunk reaches the end
 of their known tokens are sampled. Rows still in the middle of a chunked prefill sample nothing.
 
-With speculative decoding (``worker/spec_decode.py``) a request's scheduled tokens end with its
-drafts: its last ``k + 1`` positions go through the rejection sampler, the rejected drafts roll
-``num_computed_tokens`` back, and the proposer drafts the next ones.
+Every step samples through the one ``Sampler`` (``tokenmill.sample``). With speculative
+decoding a request's scheduled tokens end with its ``k`` drafts: its last ``k + 1`` positions
+are sampled (position ``j`` with the request's history plus its first ``j`` drafts), the drafts
+are accepted while they equal the sampled tokens, the rejected ones roll
+``num_computed_tokens`` back, and the proposer (``worker/spec_decode.py``) drafts the next ones.
 """
 
 from __future__ import annotations
