@@ -323,7 +323,7 @@ class ModelRunner:
             self._apply_grammar(out, [req_ids[i] for i in sampling], positions, logits)
         metadata = self._sampling_metadata(req_ids, sampling, sample_rows, positions)
         draft_ids, draft_tensors = None, None
-        if positions.num_drafts.any():
+        if positions.has_drafts:
             draft_ids = np.full(len(positions.offsets), -1, dtype=np.int64)
             is_draft = positions.offsets < np.repeat(positions.num_drafts, positions.counts)
             draft_ids[is_draft] = [t for d in drafts for t in d]
@@ -334,18 +334,19 @@ class ModelRunner:
         self.draft_probs = {}
         sampler_out = self.sampler(logits, metadata, draft_tensors)
         tokens = sampler_out.sampled_token_ids.cpu().numpy()
-        num_emitted = np.ones(len(sampling), dtype=np.int64)
-        if draft_ids is not None:
-            num_emitted += num_accepted(tokens, draft_ids, positions.counts)
+        if draft_ids is None:
+            num_emitted = positions.counts
+            batch.append_sampled(sample_rows, tokens)
+        else:
+            num_emitted = 1 + num_accepted(tokens, draft_ids, positions.counts)
             batch.num_computed_tokens[sample_rows] -= positions.counts - num_emitted
-        starts = positions.starts
-        for t in range(int(num_emitted.max())):
-            alive = num_emitted > t
-            batch.append_sampled(sample_rows[alive], tokens[starts[alive] + t])
-        sampled_ids = {
-            req_ids[i]: tokens[s : s + n].tolist() for i, s, n in zip(sampling, starts, num_emitted)
-        }
-        return ModelRunnerOutput(sampled_ids, self._logprobs(req_ids, sampling, sampler_out, starts, num_emitted))
+            for t in range(int(num_emitted.max())):
+                alive = num_emitted > t
+                batch.append_sampled(sample_rows[alive], tokens[positions.starts[alive] + t])
+        emitted = list(zip(sampling.tolist(), positions.starts.tolist(), num_emitted.tolist()))
+        token_list = tokens.tolist()
+        sampled_ids = {req_ids[i]: token_list[s : s + n] for i, s, n in emitted}
+        return ModelRunnerOutput(sampled_ids, self._logprobs(req_ids, emitted, sampler_out))
 
     def _draft_probs(
         self, sampled_req_ids: list[str], drafts: list[list[int]], positions: _SamplingPositions
@@ -415,7 +416,7 @@ class ModelRunner:
         batch = self.batch
         assert batch is not None
         counts, offsets = positions.counts, positions.offsets
-        if positions.num_drafts.any():
+        if positions.has_drafts:
             rows = np.repeat(rows, counts)
             sampling = np.repeat(sampling, counts)
         temperature = batch.temperature[rows]
@@ -428,10 +429,11 @@ class ModelRunner:
         bias_rows: list[int] = []
         bias_ids: list[int] = []
         bias_values: list[float] = []
-        for i, idx in enumerate(sampling):
+        offset_list = offsets.tolist() if positions.has_drafts else [0] * len(sampling)
+        for i, (idx, offset) in enumerate(zip(sampling, offset_list)):
             state = batch.requests[req_ids[idx]]
             params = state.sampling_params
-            num_tokens = batch.num_tokens[state.row] + offsets[i]
+            num_tokens = batch.num_tokens[state.row] + offset
             num_output = num_tokens - state.num_prompt_tokens
             if params.seed is not None and not greedy[i]:
                 seeds[i] = position_seed(params.seed, int(num_output))
@@ -515,27 +517,23 @@ class ModelRunner:
         )
 
     def _logprobs(
-        self,
-        req_ids: list[str],
-        sampling: np.ndarray,
-        sampler_out: SamplerOutput,
-        starts: np.ndarray,
-        num_emitted: np.ndarray,
+        self, req_ids: list[str], emitted: list[tuple[int, int, int]], sampler_out: SamplerOutput
     ) -> dict[str, LogprobsLists]:
-        """The logprobs of each request's emitted positions, ``num_emitted`` from ``starts``."""
+        """The logprobs of each request's emitted positions: ``(index in req_ids, first
+        position, number of positions)`` per sampling request."""
         if sampler_out.logprobs is None:
             return {}
         ids = sampler_out.logprob_token_ids.cpu().tolist()
         values = sampler_out.logprobs.cpu().tolist()
         ranks = sampler_out.sampled_token_ranks.cpu().tolist()
         result = {}
-        for idx, s, num in zip(sampling, starts, num_emitted):
+        for idx, start, num in emitted:
             params = self.batch.requests[req_ids[idx]].sampling_params
             if params.logprobs is None:
                 continue
-            n, emitted = 1 + params.logprobs, range(s, s + num)
+            n, end = 1 + params.logprobs, start + num
             result[req_ids[idx]] = LogprobsLists(
-                [ids[p][:n] for p in emitted], [values[p][:n] for p in emitted], [ranks[p] for p in emitted]
+                [row[:n] for row in ids[start:end]], [row[:n] for row in values[start:end]], ranks[start:end]
             )
         return result
 
@@ -546,28 +544,33 @@ class _SamplingPositions:
 
     Attributes:
         num_drafts: ``[R]`` the drafts each request verifies.
+        has_drafts: any request has drafts (else there is one position per request).
         counts: ``[R]`` its positions, ``num_drafts + 1``.
         starts: ``[R]`` its first position.
         offsets: ``[P]`` each position's index within its request (drafts before it).
     """
 
     num_drafts: np.ndarray
+    has_drafts: bool
     counts: np.ndarray
     starts: np.ndarray
     offsets: np.ndarray
 
     @classmethod
     def build(cls, drafts: list[list[int]]) -> _SamplingPositions:
-        num_drafts = np.array([len(d) for d in drafts], dtype=np.int64)
-        counts = num_drafts + 1
+        n = len(drafts)
+        num_drafts = np.fromiter(map(len, drafts), dtype=np.int64, count=n)
         if not num_drafts.any():
-            return cls(num_drafts, counts, np.arange(len(drafts)), np.zeros(len(drafts), dtype=np.int64))
+            return cls(num_drafts, False, np.ones(n, dtype=np.int64), np.arange(n), np.zeros(n, dtype=np.int64))
+        counts = num_drafts + 1
         starts = np.cumsum(counts) - counts
-        return cls(num_drafts, counts, starts, np.arange(counts.sum()) - np.repeat(starts, counts))
+        return cls(num_drafts, True, counts, starts, np.arange(counts.sum()) - np.repeat(starts, counts))
 
     def token_index(self, ends: np.ndarray) -> np.ndarray:
         """``[P]`` each position's index among the step's tokens, given where each request's
         scheduled tokens end: its last ``counts`` tokens."""
+        if not self.has_drafts:
+            return ends - 1
         return np.repeat(ends - self.counts, self.counts) + self.offsets
 
 
