@@ -1,13 +1,16 @@
 """Speculative decoding samples through the one sampler: processed logprobs are those of the
-non-speculative run, and a seeded request's output depends neither on its batch nor on
-whether its steps speculate."""
+non-speculative run, a seeded request's output depends neither on its batch nor on whether
+its steps speculate, and a proposer's draft probabilities are used."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 from spec_decode_common import assert_same, make_tiny_checkpoint_with_tokenizer
 
-from tokenmill import LLM, SamplingParams
+from tokenmill import LLM, SamplingParams, plugins
+from tokenmill.interfaces.proposer import Proposal, ProposalBatch
+from tokenmill.spec_decode.ngram import NgramProposer, prompt_lookup
 
 PROMPT = {"prompt_token_ids": [7, 40, 9, 7, 40, 9, 7, 40, 9, 7, 40]}
 
@@ -67,3 +70,35 @@ def test_seeded_request_alone_beside_others_and_without_speculation(tiny, spec):
     assert not drafted
     assert_same(alone, expected, "alone")
     assert_same(beside, expected, "beside 8 others")
+
+
+class SmoothedLookup(NgramProposer):
+    """Prompt-lookup drafts that claim a uniform draft distribution."""
+
+    def propose(self, batch: ProposalBatch) -> Proposal:
+        proposal = prompt_lookup(batch.input_batch, batch.rows, batch.num_speculative_tokens, 1, 3)
+        vocab = batch.input_batch.vocab_size
+        q = torch.full((*proposal.draft_token_ids.shape, vocab), 1 / vocab)
+        return Proposal(proposal.draft_token_ids, proposal.num_draft_tokens, q)
+
+
+def test_draft_probs_reach_the_sampler(tiny):
+    """A proposer's ``draft_probs`` are used at verification: greedy rows still equal the plain
+    run (accepted while the argmax), and at a high temperature random rows accept far more
+    (min(1, p(d) / q(d)) with q(d) = 1 / V) than with deterministic drafts (p(d))."""
+    plugins.register_proposer("smoothed-lookup", SmoothedLookup)
+    spec = {"method": "smoothed-lookup", "num_speculative_tokens": 3, "disable_by_batch_size": 0}
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1)
+    expected, _ = _run(LLM(model=tiny, max_model_len=256, num_kv_blocks=64), greedy)
+    llm = LLM(model=tiny, max_model_len=256, num_kv_blocks=64, speculative_config=spec)
+    out, drafted = _run(llm, greedy)
+    assert drafted
+    assert_same(out, expected, "greedy")
+    hot = SamplingParams(temperature=3.0, seed=2, max_tokens=48, ignore_eos=True)
+    rates = []
+    for config in (spec, {**spec, "method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 3}):
+        llm = LLM(model=tiny, max_model_len=256, num_kv_blocks=64, speculative_config=config)
+        _run(llm, hot)
+        stats = llm.get_stats()
+        rates.append(stats["spec_num_accepted_tokens"] / stats["spec_num_draft_tokens"])
+    assert rates[0] > 0.3 > 0.1 > rates[1]
