@@ -13,6 +13,12 @@ draw, so ``P(accept d_j) = p_j(d_j)`` and on a rejection the token is ``p_j`` re
 With ``draft_probs`` (a draft distribution ``q``), ``apply_draft_probs`` makes ``x_j`` follow
 the standard rule instead: ``d_j`` with probability ``min(1, p_j(d_j) / q_j(d_j))``, else a draw
 from ``normalize(max(p_j - q_j, 0))`` (``p_j`` when that is empty), again exactly ``p_j``.
+
+Seeds: a seeded request's randomness at output position ``t`` (its race's ``q`` and, with
+``draft_probs``, the acceptance uniform) comes from ``(seed, t)`` alone. With deterministic
+drafts its output is therefore identical with and without speculation and in any batch. With
+``draft_probs`` it is still independent of the batch and distributed as without speculation,
+but not draw for draw the same: whether a draft is accepted also depends on its ``q``.
 """
 
 from __future__ import annotations
