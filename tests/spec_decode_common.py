@@ -1,15 +1,20 @@
 """What the speculative-decoding test modules share: random prompts (two with a common
-prefix, for prefix-cache hits), the engines they compare, and a generate that checks every
-KV block came back."""
+prefix, for prefix-cache hits), the engines they compare, a generate that checks every KV
+block came back, a tiny model with a byte tokenizer, and the every-field comparison."""
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
+from conftest import make_tiny_checkpoint
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.outputs import CompletionOutput, RequestOutput
+
+EOS = 255
+"""The EOS id of ``make_tiny_checkpoint_with_tokenizer``'s model and tokenizer."""
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 ENGINES = {
@@ -75,16 +80,36 @@ def generate_toggling(
     return outputs, change(start), change(resumed)
 
 
-def assert_same_completion(a: CompletionOutput, b: CompletionOutput) -> None:
-    """Every field equal: text, token ids, finish and stop reason, logprobs (ids and ranks
-    exactly, values to 1e-4) and cumulative logprob."""
-    assert (a.text, a.token_ids, a.finish_reason, a.stop_reason) == (b.text, b.token_ids, b.finish_reason, b.stop_reason)
-    assert (a.logprobs is None) == (b.logprobs is None)
-    if a.logprobs is not None:
-        assert len(a.logprobs) == len(b.logprobs) == len(a.token_ids)
-        for x, y in zip(a.logprobs, b.logprobs):
-            assert x.keys() == y.keys()
-            for token in x:
-                assert x[token].rank == y[token].rank
-                assert x[token].logprob == pytest.approx(y[token].logprob, abs=1e-4)
-        assert a.cumulative_logprob == pytest.approx(b.cumulative_logprob, abs=1e-4)
+def make_tiny_checkpoint_with_tokenizer(path, **overrides) -> str:
+    """``make_tiny_checkpoint`` with EOS id 255 and a byte-level tokenizer whose 256 ids are
+    the 256 bytes, 255 its EOS (so that a structured-output constraint can end)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    byte_chars = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(byte_chars)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    make_tiny_checkpoint(path, eos_token_id=EOS, **overrides)
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=byte_chars[EOS]).save_pretrained(str(path))
+    return str(path)
+
+
+def assert_same(a: CompletionOutput, b: CompletionOutput, where: str) -> None:
+    """Every field equal (logprobs to float tolerance: the batches differ)."""
+    assert (a.text, a.token_ids, a.finish_reason, a.stop_reason) == (
+        b.text, b.token_ids, b.finish_reason, b.stop_reason
+    ), where
+    assert (a.logprobs is None) == (b.logprobs is None), where
+    if a.logprobs is None:
+        return
+    assert a.cumulative_logprob == pytest.approx(b.cumulative_logprob, rel=1e-4, abs=1e-4), where
+    assert len(a.logprobs) == len(b.logprobs), where
+    for t, (x, y) in enumerate(zip(a.logprobs, b.logprobs)):
+        # Which of several -inf (masked) tokens fill a top-N is arbitrary: only their number counts.
+        x, y = (({k: v for k, v in d.items() if v.logprob != -math.inf}, len(d)) for d in (x, y))
+        assert x[1] == y[1] and x[0].keys() == y[0].keys(), f"{where}, token {t}"
+        for token, lx in x[0].items():
+            ly = y[0][token]
+            assert (lx.rank, lx.decoded_token) == (ly.rank, ly.decoded_token), f"{where}, token {t}"
+            assert lx.logprob == pytest.approx(ly.logprob, rel=1e-4, abs=1e-4), f"{where}, token {t}"

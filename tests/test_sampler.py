@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from tokenmill.sample.sampler import Sampler, SamplingMetadata, compute_probs
+from tokenmill.sample.sampler import Sampler, SamplingMetadata, position_seed, processed_logits, to_probs
 
 LOGITS = np.array([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -2.0])
 NUM_DRAWS = 50_000
@@ -13,7 +13,7 @@ def make_metadata(
     top_p: list[float] | None = None,
     top_k: list[int] | None = None,
     min_p: list[float] | None = None,
-    generators: dict[int, torch.Generator] | None = None,
+    seeds: dict[int, int] | None = None,
     max_num_logprobs: int | None = None,
     suppress_token_ids: dict[int, list[int]] | None = None,
 ) -> SamplingMetadata:
@@ -26,7 +26,7 @@ def make_metadata(
         top_p=None if top_p is None else torch.tensor(top_p, dtype=torch.float32),
         top_k=None if top_k is None else torch.tensor(top_k, dtype=torch.int64),
         min_p=None if min_p is None else torch.tensor(min_p, dtype=torch.float32),
-        generators=generators or {},
+        seeds=seeds or {},
         max_num_logprobs=max_num_logprobs,
         suppress_token_ids=suppress_token_ids or {},
     )
@@ -92,15 +92,18 @@ def test_greedy_rows_in_a_mixed_batch_are_argmax():
     for _ in range(20):
         sampled = Sampler()(logits, metadata).sampled_token_ids
         assert torch.equal(sampled[::2], logits[::2].argmax(-1))
-    probs = compute_probs(logits, metadata)
+    probs = to_probs(processed_logits(logits, metadata), logits, metadata)
     assert torch.equal(probs[::2], torch.nn.functional.one_hot(logits[::2].argmax(-1), 100).float())
     torch.testing.assert_close(probs.sum(-1), torch.ones(6))
 
 
 def _seeded_samples(logits: torch.Tensor, metadata_for_step, seed_rows: dict[int, int], steps: int):
-    generators = {row: torch.Generator().manual_seed(seed) for row, seed in seed_rows.items()}
     sampler = Sampler()
-    steps_out = [sampler(logits, metadata_for_step(generators)).sampled_token_ids for _ in range(steps)]
+    steps_out = [
+        sampler(logits, metadata_for_step({row: position_seed(seed, t) for row, seed in seed_rows.items()}))
+        .sampled_token_ids
+        for t in range(steps)
+    ]
     return torch.stack(steps_out)
 
 
@@ -111,7 +114,7 @@ def test_seeded_row_does_not_depend_on_its_batch():
 
     alone = _seeded_samples(
         row_logits[None],
-        lambda g: make_metadata([0.9], top_p=[0.95], generators=g),
+        lambda g: make_metadata([0.9], top_p=[0.95], seeds=g),
         {0: 1234},
         steps,
     )[:, 0]
@@ -128,7 +131,7 @@ def test_seeded_row_does_not_depend_on_its_batch():
         torch.manual_seed(position)
         in_batch = _seeded_samples(
             batch_logits,
-            lambda g, temps=temps, top_p=top_p: make_metadata(temps, top_p=top_p, generators=g),
+            lambda g, temps=temps, top_p=top_p: make_metadata(temps, top_p=top_p, seeds=g),
             {position: 1234, other_seeded: 99},
             steps,
         )[:, position]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import make_tiny_checkpoint
-from spec_decode_common import ENGINES, assert_same_completion, generate, generate_toggling, random_prompts
+from spec_decode_common import ENGINES, assert_same, generate, generate_toggling, random_prompts
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import EngineConfig
 from tokenmill.config_resolver import resolve_config
@@ -107,7 +107,7 @@ def test_toggling_speculation_catches_the_draft_model_up(tiny, draft):
     llm = LLM(model=tiny["target"], num_kv_blocks=64, max_model_len=256, speculative_config=spec)
     outputs, total, resumed = generate_toggling(llm, TOGGLING_LONG, TOGGLING_SHORT)
     for got, expected in zip(outputs, reference):
-        assert_same_completion(got.outputs[0], expected.outputs[0])
+        assert_same(got.outputs[0], expected.outputs[0], "speculative vs plain")
     assert resumed["spec_num_drafts"] > 0
     if draft == "target":
         assert total["spec_num_accepted_tokens"] == total["spec_num_draft_tokens"]
@@ -323,7 +323,7 @@ def test_default_model_drafting_for_itself_through_toggling(default_model_dir, d
     outputs, total, resumed = generate_toggling(llm, long_prompt, short, max_tokens=96)
     reference, _, _ = generate_toggling(default_llm, long_prompt, short, max_tokens=96)
     for got, expected in zip(outputs, reference):
-        assert_same_completion(got.outputs[0], expected.outputs[0])
+        assert_same(got.outputs[0], expected.outputs[0], "speculative vs plain")
     acceptance = {
         name: stats["spec_num_accepted_tokens"] / stats["spec_num_draft_tokens"]
         for name, stats in (("total", total), ("after resuming", resumed))
@@ -361,23 +361,33 @@ def test_cli_speculative_config_is_a_json_object(capsys):
     assert "--speculative-config" in capsys.readouterr().err
 
 
-def test_structured_output_requests_are_not_drafted_for(default_tokenizer):
-    """A constrained request under speculation keeps its constraint (it gets no drafts: the
-    grammar mask covers one position per step); an unconstrained one beside it still drafts."""
+def test_structured_output_beside_a_drafting_request(default_tokenizer, default_llm):
+    """A constrained request in the same steps as a request that drafts keeps its constraint
+    and gives what it gives alone and without speculation; it drafts too (its drafts are cut
+    where the grammar rejects them, and every verified position is masked)."""
     from tokenmill import StructuredOutputsParams
 
-    text = DEFAULT_TEXTS[1]
+    regex = r"[a-z]{3,8}"
+    constrained = SamplingParams(
+        temperature=0, max_tokens=16, structured_outputs=StructuredOutputsParams(regex=regex)
+    )
+    json_params = SamplingParams(
+        temperature=0, max_tokens=48,
+        structured_outputs=StructuredOutputsParams(json={"type": "object", "properties": {"n": {"type": "integer"}}}),
+    )
+    texts = [DEFAULT_TEXTS[1], DEFAULT_TEXTS[1], DEFAULT_TEXTS[5]]
+    params = [constrained, json_params, DEFAULT_GREEDY]
+    expected = default_llm.generate(texts, params, use_tqdm=False)
     spec = {"method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 4,
             "num_speculative_tokens": 3, "disable_by_batch_size": 0}
     llm = LLM(max_model_len=256, num_kv_blocks=256, speculative_config=spec)
-    constrained = SamplingParams(
-        temperature=0, max_tokens=16, structured_outputs=StructuredOutputsParams(regex=r"[a-z]{3,8}")
-    )
-    out = llm.generate([text], constrained, use_tqdm=False)[0].outputs[0].text
-    assert re.fullmatch(r"[a-z]{3,8}", out), out
-    assert llm.get_stats()["spec_num_drafts"] == 0
-    llm.generate([text], DEFAULT_GREEDY, use_tqdm=False)
+    alone = llm.generate(texts[:1], constrained, use_tqdm=False)[0].outputs[0]
+    together = llm.generate(texts, params, use_tqdm=False)
     assert llm.get_stats()["spec_num_drafts"] > 0
+    assert re.fullmatch(regex, alone.text), alone.text
+    assert (together[0].outputs[0].text, together[0].outputs[0].token_ids) == (alone.text, alone.token_ids)
+    for out, ref in zip(together, expected):
+        assert_same(out.outputs[0], ref.outputs[0], out.prompt)
 
 
 ACCEPTANCE_FLOOR = 0.2

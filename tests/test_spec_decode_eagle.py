@@ -17,7 +17,7 @@ import torch
 from conftest import make_tiny_checkpoint
 from deepseek_checkpoints import write_mtp_checkpoint
 from eagle_heads import write_eagle_head
-from spec_decode_common import ENGINES, assert_same_completion, generate, generate_toggling, random_prompts
+from spec_decode_common import ENGINES, assert_same, generate, generate_toggling, random_prompts
 from tokenmill import LLM, SamplingParams
 
 
@@ -159,7 +159,7 @@ def test_toggling_speculation_keeps_the_heads_cache_complete(models, prompts, he
     reference, _, _ = generate_toggling(LLM(**engine), long_prompt, short, max_tokens=48)
     outputs, _, resumed = generate_toggling(LLM(**engine, speculative_config=spec), long_prompt, short, max_tokens=48)
     for got, expected in zip(outputs, reference):
-        assert_same_completion(got.outputs[0], expected.outputs[0])
+        assert_same(got.outputs[0], expected.outputs[0], "speculative vs plain")
     assert resumed["spec_num_drafts"] > 0
     toggling = {tokens: d for tokens, d in drafts.items() if tokens[: len(long_prompt)] == tuple(long_prompt)}
     drafts.clear()

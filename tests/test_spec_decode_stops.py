@@ -10,7 +10,7 @@ import asyncio
 
 import pytest
 
-from spec_decode_common import assert_same_completion
+from spec_decode_common import assert_same
 from tokenmill import LLM, SamplingParams
 from tokenmill.engine.async_llm import AsyncLLM
 from tokenmill.outputs import CompletionOutput
@@ -66,7 +66,7 @@ def test_stop_inside_a_speculative_step_equals_one_token_per_step(default_tokeni
     before = speculative.get_stats()["spec_num_accepted_tokens"]
     got = speculative.generate([PROMPT], params, use_tqdm=False)[0].outputs[0]
     assert speculative.get_stats()["spec_num_accepted_tokens"] > before
-    assert_same_completion(got, expected)
+    assert_same(got, expected, "speculative vs plain")
     if case != "never":
         assert len(expected.token_ids) < 12
 
@@ -92,4 +92,4 @@ def test_streamed_deltas_end_at_the_stop(default_tokenizer, plain):
         finally:
             engine.shutdown()
 
-    assert_same_completion(asyncio.run(stream()), expected)
+    assert_same(asyncio.run(stream()), expected, "speculative vs plain")

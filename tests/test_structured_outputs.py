@@ -57,7 +57,7 @@ def test_bitmask_masks_only_the_rows_it_names():
     bitmask = np.zeros((1, 3), dtype=np.int32)
     bitmask[0, 0] = 0b101
     bitmask[0, 2] = 1 << (69 - 64)
-    apply_grammar_bitmask(logits, ["a", "b", "c"], ["b"], bitmask)
+    apply_grammar_bitmask(logits, [1], bitmask)
     assert torch.isfinite(logits[1]).nonzero().flatten().tolist() == [0, 2, 69]
     assert torch.isfinite(logits[0]).all() and torch.isfinite(logits[2]).all()
 

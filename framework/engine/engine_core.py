@@ -187,6 +187,7 @@ class EngineCore:
                 model_output.spec_token_ids,
             )
             self._advance_grammars(outputs)
+            self._validate_drafts(model_output.spec_token_ids)
         except Exception:
             self.failed_req_ids = [o.req_id for o in failed] + self.scheduler.fail_step(
                 scheduler_output
@@ -228,7 +229,9 @@ class EngineCore:
             for req_id in scheduler_output.num_scheduled_tokens
             if requests[req_id].num_computed_tokens >= requests[req_id].num_tokens
         )
-        result = self.structured_output_manager.grammar_bitmask(sampling)
+        result = self.structured_output_manager.grammar_bitmask(
+            sampling, scheduler_output.scheduled_spec_decode_tokens
+        )
         if result is not None:
             scheduler_output.structured_output_request_ids, scheduler_output.grammar_bitmask = result
 
@@ -242,6 +245,13 @@ class EngineCore:
             if self.structured_output_manager.accept_tokens(req, output.new_token_ids):
                 self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
                 output.finish_reason = req.get_finished_reason()
+
+    def _validate_drafts(self, spec_token_ids: dict[str, list[int]]) -> None:
+        """Cut a constrained request's new drafts at the first token its grammar rejects."""
+        for req_id in spec_token_ids:
+            req = self.scheduler.requests.get(req_id)
+            if req is not None and req.structured_output_request is not None and req.spec_token_ids:
+                req.spec_token_ids = self.structured_output_manager.validate_drafts(req, req.spec_token_ids)
 
     def shutdown(self) -> None:
         """Stop the executor's workers; the core is unusable afterwards."""

@@ -112,7 +112,8 @@ class Proposal:
         draft_token_ids: ``[R, k]`` int64; row ``r`` holds ``num_draft_tokens[r]`` drafts.
         num_draft_tokens: ``[R]`` int64 (0: no draft for that request).
         draft_probs: ``[R, k, V]`` the draft distributions the tokens were drawn from, or None
-            for deterministic drafts (the rejection sampler then uses a one-hot ``q``).
+            for deterministic drafts (each is then accepted when the target's own sample at
+            its position equals it; see ``tokenmill.sample.rejection_sampler``).
     """
 
     draft_token_ids: np.ndarray

@@ -1,2 +1,2 @@
-"""Token sampling: the batched ``Sampler`` and the probability computation it shares with
-speculative decoding's rejection sampler."""
+"""Token sampling: the one ``Sampler`` every step samples through (``sampler.py``) and the rule
+it verifies draft tokens with (``rejection_sampler.py``)."""

@@ -1,21 +1,31 @@
-"""Batched token sampling from float32 logits, with vLLM V1's semantics.
+"""Batched token sampling from float32 logits, with vLLM V1's semantics: the one sampling path.
 
-Order of operations for a batch of logits ``[B, V]``:
+Every step samples through ``Sampler`` over the sampling positions of its requests: one per
+request, or ``k + 1`` for a request with ``k`` draft tokens, where position ``j`` sees the
+request's tokens plus its first ``j`` drafts (the caller builds each position's metadata from
+that history: penalty counts, bad-word prefixes, ``min_tokens``, grammar mask). Order of
+operations for logits ``[P, V]`` (the grammar bitmask is applied by the caller beforehand):
 
 1. logits processing, vLLM's order: tokens outside ``allowed_token_ids`` and forbidden token
-   ids (``min_tokens`` not yet reached) get ``-inf``; ``logit_bias`` is added; then the
-   repetition penalty divides (positive) or multiplies (negative) the logits of tokens seen
+   ids (``min_tokens`` not yet reached, bad words) get ``-inf``; ``logit_bias`` is added; then
+   the repetition penalty divides (positive) or multiplies (negative) the logits of tokens seen
    in the prompt or output, and ``frequency * count + presence * (count > 0)`` of the output
    tokens is subtracted;
-2. logprobs, when asked: by default (``logprobs_mode="raw_logprobs"``, vLLM's default) the
-   ``log_softmax`` of the model's logits before step 1; ``"processed_logprobs"`` after step 1
-   and, for random rows, after temperature, min-p, top-k and top-p (masked tokens ``-inf``);
-   the ``*_logits`` modes return the logits themselves instead;
-3. greedy rows take the argmax; random rows divide by their temperature, apply min-p,
+2. greedy rows take the argmax; random rows divide by their temperature, apply min-p,
    then top-k, then top-p (renormalising after each), take the softmax and draw with the
    exponential race ``argmax(probs / q)``, ``q ~ Exponential(1)``, which samples from
-   ``probs`` exactly. Seeded rows draw ``q`` from their own generator, so their samples do
-   not depend on the batch they are in.
+   ``probs`` exactly. A seeded request draws the ``q`` of its output position ``t`` from a
+   generator seeded from ``(seed, t)`` alone (``position_seed``), so its samples depend
+   neither on the batch nor on whether a step speculates;
+3. positions with a draft token then compare it with their token (``rejection_sampler.py``:
+   the drafts are accepted while equal); with draft probabilities the standard
+   accept-or-recover rule shapes the distribution before the race;
+4. logprobs of each position's token, when asked: by default (``logprobs_mode="raw_logprobs"``,
+   vLLM's default) the ``log_softmax`` of the logits before step 1; ``"processed_logprobs"``
+   after step 1 and, for random rows, after temperature, min-p, top-k and top-p (masked tokens
+   ``-inf``); the ``*_logits`` modes return the logits themselves instead.
+
+A step without drafts is exactly one position per request and no step 3.
 """
 
 from __future__ import annotations
@@ -26,6 +36,7 @@ import torch
 from torch import nn
 
 from tokenmill.engine_args import LOGPROBS_MODES, LogprobsMode
+from tokenmill.sample.rejection_sampler import Drafts, apply_draft_probs
 from tokenmill.sampling_params import GREEDY_TEMPERATURE_EPS
 
 
@@ -59,7 +70,7 @@ class SamplingMetadata:
         top_p: ``[B]`` float32 (1.0 where off); None when no row uses it.
         top_k: ``[B]`` int64 (V where off); None when no row uses it.
         min_p: ``[B]`` float32 (0.0 where off); None when no row uses it.
-        generators: row -> generator of a seeded request (on the logits' device).
+        seeds: row -> the seed of a seeded random row's draws (``position_seed``).
         max_num_logprobs: largest top-N any row asks for; None when no row wants logprobs.
         suppress_token_ids: row -> token ids that row may not sample (EOS and
             ``stop_token_ids`` while ``min_tokens`` is not reached).
@@ -75,7 +86,7 @@ class SamplingMetadata:
     top_p: torch.Tensor | None
     top_k: torch.Tensor | None
     min_p: torch.Tensor | None
-    generators: dict[int, torch.Generator]
+    seeds: dict[int, int]
     max_num_logprobs: int | None
     suppress_token_ids: dict[int, list[int]]
     disallowed_mask: torch.Tensor | None = None
@@ -85,10 +96,10 @@ class SamplingMetadata:
 
 @dataclass
 class SamplerOutput:
-    """Sampled tokens of one batch and, when asked, their log-probabilities.
+    """The token of each sampling position and, when asked, its log-probabilities.
 
     Attributes:
-        sampled_token_ids: ``[B]`` int64.
+        sampled_token_ids: ``[B]`` int64 (at a draft position: the draft when accepted).
         logprob_token_ids: ``[B, 1 + N]`` int64: the sampled token, then the top-N tokens
             by log-probability (descending), ``N = max_num_logprobs``.
         logprobs: ``[B, 1 + N]`` float32 log-probabilities of ``logprob_token_ids``.
@@ -102,7 +113,8 @@ class SamplerOutput:
 
 
 class Sampler(nn.Module):
-    """Samples one token per row of ``logits`` (see the module docstring for the order)."""
+    """Samples one token per row of ``logits`` (see the module docstring for the order);
+    ``drafts`` are the step's draft tokens by row, None in a step without drafts."""
 
     def __init__(self, logprobs_mode: LogprobsMode = "raw_logprobs") -> None:
         super().__init__()
@@ -110,7 +122,9 @@ class Sampler(nn.Module):
             raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {logprobs_mode!r}")
         self.logprobs_mode = logprobs_mode
 
-    def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+    def forward(
+        self, logits: torch.Tensor, metadata: SamplingMetadata, drafts: Drafts | None = None
+    ) -> SamplerOutput:
         logits = logits.to(torch.float32)
         wants_logprobs = metadata.max_num_logprobs is not None
         raw = self.logprobs_mode.startswith("raw")
@@ -125,7 +139,12 @@ class Sampler(nn.Module):
             processed = processed_logits(logits, metadata)
             if wants_logprobs and not raw:
                 reported = processed
-            sampled = exponential_race(to_probs(processed, logits, metadata), metadata.generators)
+            probs = to_probs(processed, logits, metadata)
+            with_q = drafts is not None and drafts.probs is not None
+            q, uniforms = random_draws(probs, metadata.seeds, with_q)
+            if with_q:
+                probs = apply_draft_probs(probs, drafts, uniforms)
+            sampled = probs.div_(q).argmax(dim=-1)
         if reported is None:
             return SamplerOutput(sampled)
         if self.logprobs_mode.endswith("logprobs"):
@@ -171,17 +190,6 @@ def apply_penalties(logits: torch.Tensor, penalties: Penalties) -> torch.Tensor:
     logits = torch.where(penalties.prompt_mask | output_mask, penalised, logits)
     logits = logits - penalties.frequency.unsqueeze(1) * penalties.output_counts
     return logits - penalties.presence.unsqueeze(1) * output_mask
-
-
-def compute_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-    """Return the distribution each row's token is drawn from, ``[B, V]`` float32.
-
-    Random rows: ``softmax(logits / temperature)`` restricted by min-p, then top-k, then top-p
-    (masked tokens get probability 0). Greedy rows: one-hot at the argmax, so that the
-    speculative-decoding rejection sampler can treat every row alike. ``logits`` are the
-    float32 logits after suppression and are not modified.
-    """
-    return to_probs(processed_logits(logits, metadata), logits, metadata)
 
 
 def processed_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
@@ -242,20 +250,44 @@ def apply_top_k_top_p(
     return torch.empty_like(logits_sort).scatter_(-1, logits_idx, logits_sort)
 
 
-def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
-    """Sample one token per row of ``probs`` as ``argmax(probs / q)``, ``q ~ Exponential(1)``.
+def random_draws(
+    probs: torch.Tensor, seeds: dict[int, int], uniforms: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The exponential race's ``q ~ Exponential(1)``, shaped like ``probs``, and, when asked,
+    one uniform in [0, 1) per row (after the row's ``q``).
 
-    Rows in ``generators`` draw their ``q`` from their own generator, the others from the
+    Rows in ``seeds`` draw from a generator seeded with their seed, the others from the
     default RNG in one call. ``q`` is clamped away from 0 so that a masked token
-    (probability 0) can never win through ``0 / 0 = nan``. Overwrites ``probs``.
-    """
+    (probability 0) can never win through ``0 / 0 = nan``."""
     q = torch.empty_like(probs)
-    if len(generators) != probs.shape[0]:
+    u = torch.rand(probs.shape[0], device=probs.device) if uniforms else None
+    if len(seeds) != probs.shape[0]:
         q.exponential_()
-    for row, generator in generators.items():
-        q[row].exponential_(generator=generator)
+    if seeds:
+        generator = torch.Generator(device=probs.device)
+        for row, seed in seeds.items():
+            generator.manual_seed(seed)
+            q[row].exponential_(generator=generator)
+            if u is not None:
+                u[row] = torch.rand((), device=probs.device, generator=generator)
     q.clamp_min_(torch.finfo(q.dtype).tiny)
-    return probs.div_(q).argmax(dim=-1)
+    return q, u
+
+
+_MASK64 = 2**64 - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def position_seed(seed: int, position: int) -> int:
+    """The seed of a seeded request's draws for its output token ``position`` (0 = first):
+    a mix of both, so that every position's randomness comes from ``(seed, position)`` alone."""
+    return _splitmix64(_splitmix64(seed & _MASK64) ^ position)
 
 
 def gather_logprobs(

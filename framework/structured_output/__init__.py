@@ -2,9 +2,11 @@
 
 Constraints are compiled in a worker thread, so the engine loop keeps stepping while a new
 request's grammar compiles; the engine core holds such a request back until its matcher is
-ready. Each step, one bitmask row is filled for every scheduled request that samples and has
-a constraint, and the model runner masks those rows' logits before sampling. Sampled tokens
-then advance the matchers, and a request whose constraint terminates finishes.
+ready. Each step, one bitmask row is filled for every sampling position of a scheduled request
+that samples and has a constraint (one, or ``k + 1`` with ``k`` drafts: the matcher advances
+through the drafts and rolls back), and the model runner masks those positions' logits before
+sampling. The emitted tokens then advance the matchers for good, a request whose constraint
+terminates finishes, and new drafts are cut at the first token the constraint rejects.
 
 xgrammar is imported only when the first constrained request arrives."""
 
@@ -70,17 +72,27 @@ class StructuredOutputManager:
             self._backend = backend_class()(tokenizer, self.config.hf_config.vocab_size)
         return self._backend.compile_grammar(params)
 
-    def grammar_bitmask(self, requests: Iterable[Request]) -> tuple[list[str], np.ndarray] | None:
-        """The ids and bitmask rows of the constrained requests among ``requests`` (those
-        that sample this step); None when there are none."""
+    def grammar_bitmask(
+        self, requests: Iterable[Request], spec_tokens: dict[str, list[int]]
+    ) -> tuple[list[str], np.ndarray] | None:
+        """The ids of the constrained requests among ``requests`` (those that sample this
+        step) and their bitmask rows, ``len(spec_tokens[id]) + 1`` per request in that order;
+        None when there are none."""
         constrained = [r for r in requests if r.structured_output_request is not None]
         if not constrained:
             return None
         assert self._backend is not None
-        bitmask = self._backend.allocate_token_bitmask(len(constrained))
-        for i, request in enumerate(constrained):
-            request.structured_output_request.grammar.fill_bitmask(bitmask, i)
+        drafts = [spec_tokens.get(r.request_id, []) for r in constrained]
+        bitmask = self._backend.allocate_token_bitmask(sum(len(d) + 1 for d in drafts))
+        index = 0
+        for request, request_drafts in zip(constrained, drafts):
+            request.structured_output_request.grammar.fill_bitmasks(bitmask, index, request_drafts)
+            index += len(request_drafts) + 1
         return [r.request_id for r in constrained], bitmask.numpy()
+
+    def validate_drafts(self, request: Request, drafts: list[int]) -> list[int]:
+        """``drafts`` cut at the first token the request's constraint rejects (or completes)."""
+        return request.structured_output_request.grammar.validate_tokens(drafts)
 
     def accept_tokens(self, request: Request, token_ids: list[int]) -> bool:
         """Advance the request's matcher; return whether its constraint has terminated."""

@@ -22,8 +22,16 @@ class StructuredOutputGrammar(ABC):
         """Advance over ``tokens``; False if one of them is not allowed (the rest are skipped)."""
 
     @abstractmethod
-    def fill_bitmask(self, bitmask: torch.Tensor, index: int) -> None:
-        """Write the tokens allowed next into row ``index`` of ``bitmask``."""
+    def fill_bitmasks(self, bitmask: torch.Tensor, index: int, drafts: list[int]) -> None:
+        """Write the tokens allowed next into row ``index`` of ``bitmask``, and after each of
+        ``drafts`` (valid, see ``validate_tokens``) into the rows after it; the matcher ends
+        where it started."""
+
+    @abstractmethod
+    def validate_tokens(self, tokens: list[int]) -> list[int]:
+        """The longest prefix of ``tokens`` the constraint allows that does not complete it
+        (a token that completes it is left for the target to sample); the matcher ends
+        where it started."""
 
     @abstractmethod
     def is_terminated(self) -> bool:

@@ -28,8 +28,27 @@ class XgrammarGrammar(StructuredOutputGrammar):
     def accept_tokens(self, request_id: str, tokens: list[int]) -> bool:
         return all(self.matcher.accept_token(t) for t in tokens)
 
-    def fill_bitmask(self, bitmask: torch.Tensor, index: int) -> None:
+    def fill_bitmasks(self, bitmask: torch.Tensor, index: int, drafts: list[int]) -> None:
         self.matcher.fill_next_token_bitmask(bitmask, index)
+        for j, token in enumerate(drafts):
+            if not self.matcher.accept_token(token):
+                raise RuntimeError(f"draft token {token} was validated but the grammar rejects it")
+            self.matcher.fill_next_token_bitmask(bitmask, index + 1 + j)
+        if drafts:
+            self.matcher.rollback(len(drafts))
+
+    def validate_tokens(self, tokens: list[int]) -> list[int]:
+        valid = 0
+        for token in tokens:
+            if not self.matcher.accept_token(token):
+                break
+            if self.matcher.is_terminated():
+                self.matcher.rollback(1)
+                break
+            valid += 1
+        if valid:
+            self.matcher.rollback(valid)
+        return tokens[:valid]
 
     def is_terminated(self) -> bool:
         return self.matcher.is_terminated()

@@ -25,7 +25,6 @@ class CachedRequestState:
     row: int
     num_prompt_tokens: int
     sampling_params: SamplingParams
-    generator: torch.Generator | None
     min_tokens_suppress: list[int]
     """Token ids forbidden until ``min_tokens`` outputs exist: EOS and ``stop_token_ids``."""
 
@@ -76,7 +75,6 @@ class InputBatch:
         block_ids: list[int],
         num_computed_tokens: int,
         params: SamplingParams,
-        generator: torch.Generator | None,
         min_tokens_suppress: list[int],
     ) -> CachedRequestState:
         """Fill a free row for the request; the row is taken only once that succeeded."""
@@ -104,7 +102,7 @@ class InputBatch:
             self.disallowed_mask[row] = True
             self.disallowed_mask[row, self._ids(params.allowed_token_ids)] = False
         state = CachedRequestState(
-            req_id, row, num_prompt_tokens, params, generator, min_tokens_suppress
+            req_id, row, num_prompt_tokens, params, min_tokens_suppress
         )
         self._free_rows.pop()
         self.requests[req_id] = state

@@ -5,9 +5,11 @@ mapping, block table, query start locations, sequence lengths); the attention ba
 is built once for the step; the model runs once; the rows whose scheduled chunk reaches the end
 of their known tokens are sampled. Rows still in the middle of a chunked prefill sample nothing.
 
-With speculative decoding (``worker/spec_decode.py``) a request's scheduled tokens end with its
-drafts: its last ``k + 1`` positions go through the rejection sampler, the rejected drafts roll
-``num_computed_tokens`` back, and the proposer drafts the next ones.
+Every step samples through the one ``Sampler`` (``tokenmill.sample``). With speculative
+decoding a request's scheduled tokens end with its ``k`` drafts: its last ``k + 1`` positions
+are sampled (position ``j`` with the request's history plus its first ``j`` drafts), the drafts
+are accepted while they equal the sampled tokens, the rejected ones roll
+``num_computed_tokens`` back, and the proposer (``worker/spec_decode.py``) drafts the next ones.
 """
 
 from __future__ import annotations
@@ -30,7 +32,14 @@ from tokenmill.layers.build_context import BuildContext
 from tokenmill.layers.mla_attention import MLAAttention
 from tokenmill.logprobs import LogprobsLists
 from tokenmill.model_loader.loader import load_model
-from tokenmill.sample.sampler import Penalties, Sampler, SamplerOutput, SamplingMetadata
+from tokenmill.sample.rejection_sampler import Drafts, num_accepted
+from tokenmill.sample.sampler import (
+    Penalties,
+    Sampler,
+    SamplerOutput,
+    SamplingMetadata,
+    position_seed,
+)
 from tokenmill.sampling_params import GREEDY_TEMPERATURE_EPS, SamplingParams
 from tokenmill.selector import AttentionSelector
 from tokenmill.structured_output.bitmask import apply_grammar_bitmask
@@ -60,7 +69,7 @@ class ModelRunnerOutput:
 @dataclass
 class _PreemptedState:
     """What a preempted request keeps on the worker while its row is given back: its tokens
-    and its generator, so a resumed seeded request continues its random stream."""
+    and its state."""
 
     token_ids: list[int]
     state: CachedRequestState
@@ -86,6 +95,9 @@ class ModelRunner:
         self.metadata_builder: LayerMetadataBuilder | None = None
         self.graphs: DecodeGraphRunner | None = None
         self.proposer: Proposer | None = None
+        self.draft_probs: dict[str, torch.Tensor] = {}
+        """``[k, V]`` draft distributions of the drafts proposed after the last step, per
+        request, from a proposer that gives them; the next step's sampling consumes them."""
         if config.speculative is not None:
             from tokenmill import plugins
 
@@ -161,10 +173,6 @@ class ModelRunner:
                 batch.remove(req_id)
         for new in out.scheduled_new_reqs:
             params = new.sampling_params
-            generator = None
-            if params.seed is not None:
-                generator = torch.Generator(device=self.device)
-                generator.manual_seed(params.seed)
             batch.add(
                 new.req_id,
                 new.prompt_token_ids,
@@ -172,7 +180,6 @@ class ModelRunner:
                 new.block_ids,
                 new.num_computed_tokens,
                 params,
-                generator,
                 _min_tokens_suppress(params, new.eos_token_id),
             )
         cached = out.scheduled_cached_reqs
@@ -189,7 +196,6 @@ class ModelRunner:
                     block_ids,
                     num_computed,
                     old.sampling_params,
-                    old.generator,
                     old.min_tokens_suppress,
                 )
                 continue
@@ -295,29 +301,79 @@ class ModelRunner:
         cu: np.ndarray,
         hidden: torch.Tensor,
     ) -> ModelRunnerOutput:
+        """Sample every position of the requests that sample: the last ``k + 1`` scheduled
+        tokens of a request with ``k`` drafts (position ``j`` after its first ``j`` drafts), the
+        last one of the others; emit each request's accepted drafts and the token after them,
+        and roll its rejected drafts back."""
         batch = self.batch
         assert batch is not None and self.model is not None
-        spec_tokens = out.scheduled_spec_decode_tokens
-        if spec_tokens:
-            verified = spec_decode.verify(self, req_ids, sampling, sample_rows, cu, hidden, spec_tokens)
-            batch.num_computed_tokens[sample_rows] -= verified.num_rejected
-            spec_decode.append_emitted(
-                self, sample_rows, [verified.sampled[req_ids[i]] for i in sampling]
-            )
-            return ModelRunnerOutput(verified.sampled, verified.logprobs)
-        logits = self.model.compute_logits(hidden[self._tensor(cu[sampling] - 1, torch.int64)])
+        drafts = [out.scheduled_spec_decode_tokens.get(req_ids[i], []) for i in sampling]
+        positions = _SamplingPositions.build(drafts)
+        logits = self.model.compute_logits(hidden[self._tensor(positions.token_index(cu[sampling]), torch.int64)])
         if out.grammar_bitmask is not None:
-            apply_grammar_bitmask(
-                logits,
-                [req_ids[i] for i in sampling],
-                out.structured_output_request_ids,
-                out.grammar_bitmask,
+            self._apply_grammar(out, [req_ids[i] for i in sampling], positions, logits)
+        metadata = self._sampling_metadata(req_ids, sampling, sample_rows, positions)
+        draft_ids, draft_tensors = None, None
+        if positions.has_drafts:
+            draft_ids = np.full(len(positions.offsets), -1, dtype=np.int64)
+            is_draft = positions.offsets < np.repeat(positions.num_drafts, positions.counts)
+            draft_ids[is_draft] = [t for d in drafts for t in d]
+            draft_tensors = Drafts(
+                self._tensor(draft_ids, torch.int64),
+                self._draft_probs([req_ids[i] for i in sampling], drafts, positions),
             )
-        sampler_out = self.sampler(logits, self._sampling_metadata(req_ids, sampling, sample_rows))
-        sampled = sampler_out.sampled_token_ids.cpu().numpy()
-        batch.append_sampled(sample_rows, sampled)
-        sampled_ids = {req_ids[i]: [int(t)] for i, t in zip(sampling, sampled)}
-        return ModelRunnerOutput(sampled_ids, self._logprobs(req_ids, sampling, sampler_out))
+        self.draft_probs = {}
+        sampler_out = self.sampler(logits, metadata, draft_tensors)
+        tokens = sampler_out.sampled_token_ids.cpu().numpy()
+        if draft_ids is None:
+            num_emitted = positions.counts
+            batch.append_sampled(sample_rows, tokens)
+        else:
+            num_emitted = 1 + num_accepted(tokens, draft_ids, positions.counts)
+            batch.num_computed_tokens[sample_rows] -= positions.counts - num_emitted
+            for t in range(int(num_emitted.max())):
+                alive = num_emitted > t
+                batch.append_sampled(sample_rows[alive], tokens[positions.starts[alive] + t])
+        emitted = list(zip(sampling.tolist(), positions.starts.tolist(), num_emitted.tolist()))
+        token_list = tokens.tolist()
+        sampled_ids = {req_ids[i]: token_list[s : s + n] for i, s, n in emitted}
+        return ModelRunnerOutput(sampled_ids, self._logprobs(req_ids, emitted, sampler_out))
+
+    def _draft_probs(
+        self, sampled_req_ids: list[str], drafts: list[list[int]], positions: _SamplingPositions
+    ) -> torch.Tensor | None:
+        """``[P, V]`` the draft distribution at each draft position (one-hot at the draft for
+        a request without one; bonus rows unused), or None when no request has one."""
+        if not any(r in self.draft_probs for r in sampled_req_ids):
+            return None
+        vocab = self.config.hf_config.vocab_size
+        probs = torch.zeros(len(positions.offsets), vocab, dtype=torch.float32, device=self.device)
+        for req_id, request_drafts, start in zip(sampled_req_ids, drafts, positions.starts):
+            k = len(request_drafts)
+            if req_id in self.draft_probs:
+                probs[start : start + k] = self.draft_probs[req_id][:k]
+            elif k:
+                index = torch.arange(start, start + k, device=self.device)
+                probs[index, self._tensor(np.array(request_drafts), torch.int64)] = 1.0
+        return probs
+
+    def _apply_grammar(
+        self, out: SchedulerOutput, sampled_req_ids: list[str], positions: _SamplingPositions, logits: torch.Tensor
+    ) -> None:
+        """Mask each constrained position's logits with its bitmask row (the scheduler's rows
+        are request by request, ``k + 1`` per request, in ``structured_output_request_ids``
+        order)."""
+        bitmask_start, start = {}, 0
+        for req_id in out.structured_output_request_ids:
+            bitmask_start[req_id] = start
+            start += len(out.scheduled_spec_decode_tokens.get(req_id, ())) + 1
+        logit_rows: list[int] = []
+        bitmask_rows: list[int] = []
+        for req_id, s, n in zip(sampled_req_ids, positions.starts, positions.counts):
+            if req_id in bitmask_start:
+                logit_rows += range(s, s + n)
+                bitmask_rows += range(bitmask_start[req_id], bitmask_start[req_id] + n)
+        apply_grammar_bitmask(logits, logit_rows, out.grammar_bitmask[bitmask_rows])
 
     def _prompt_logprobs(
         self,
@@ -344,29 +400,36 @@ class ModelRunner:
         return torch.from_numpy(np.ascontiguousarray(array)).to(device=self.device, dtype=dtype)
 
     def _sampling_metadata(
-        self, req_ids: list[str], sampling: np.ndarray, rows: np.ndarray
+        self, req_ids: list[str], sampling: np.ndarray, rows: np.ndarray, positions: _SamplingPositions
     ) -> SamplingMetadata:
+        """The settings of every sampling position; position ``j`` of a request sees its
+        tokens plus its first ``j`` drafts (``min_tokens``, bad words, penalties, seeds)."""
         batch = self.batch
         assert batch is not None
+        counts, offsets = positions.counts, positions.offsets
+        if positions.has_drafts:
+            rows = np.repeat(rows, counts)
+            sampling = np.repeat(sampling, counts)
         temperature = batch.temperature[rows]
         greedy = temperature < GREEDY_TEMPERATURE_EPS
         top_p, top_k, min_p = batch.top_p[rows], batch.top_k[rows], batch.min_p[rows]
         vocab = self.config.hf_config.vocab_size
-        generators: dict[int, torch.Generator] = {}
+        seeds: dict[int, int] = {}
         suppress: dict[int, list[int]] = {}
         max_logprobs: int | None = None
         bias_rows: list[int] = []
         bias_ids: list[int] = []
         bias_values: list[float] = []
-        for i, idx in enumerate(sampling):
+        offset_list = offsets.tolist() if positions.has_drafts else [0] * len(sampling)
+        for i, (idx, offset) in enumerate(zip(sampling, offset_list)):
             state = batch.requests[req_ids[idx]]
             params = state.sampling_params
-            if state.generator is not None and not greedy[i]:
-                generators[i] = state.generator
+            num_tokens = batch.num_tokens[state.row] + offset
+            num_output = num_tokens - state.num_prompt_tokens
+            if params.seed is not None and not greedy[i]:
+                seeds[i] = position_seed(params.seed, int(num_output))
             if params.logprobs is not None:
                 max_logprobs = max(max_logprobs or 0, params.logprobs)
-            num_tokens = batch.num_tokens[state.row]
-            num_output = num_tokens - state.num_prompt_tokens
             banned = []
             if num_output < params.min_tokens and state.min_tokens_suppress:
                 banned += state.min_tokens_suppress
@@ -395,12 +458,12 @@ class ModelRunner:
             if (top_k > 0).any()
             else None,
             min_p=self._tensor(min_p, torch.float32) if (min_p > 0).any() else None,
-            generators=generators,
+            seeds=seeds,
             max_num_logprobs=max_logprobs,
             suppress_token_ids=suppress,
             disallowed_mask=self._gather_disallowed(rows),
             logit_bias=logit_bias,
-            penalties=self._penalties(rows),
+            penalties=self._penalties(rows, offsets),
         )
 
     def _gather_disallowed(self, rows: np.ndarray) -> torch.Tensor | None:
@@ -413,38 +476,93 @@ class ModelRunner:
         mask = batch.disallowed_mask[self._tensor(rows, torch.int64)]
         return mask.logical_and_(self._tensor(uses, torch.bool).unsqueeze(1))
 
-    def _penalties(self, rows: np.ndarray) -> Penalties | None:
+    def _penalties(self, rows: np.ndarray, offsets: np.ndarray) -> Penalties | None:
+        """Penalty settings of each position (``rows[i]``'s), its output counts including
+        the ``offsets[i]`` drafts before it."""
         batch = self.batch
         assert batch is not None
-        if not batch.uses_penalties[rows].any():
+        penalised = batch.uses_penalties[rows]
+        if not penalised.any():
             return None
         assert batch.output_token_counts is not None and batch.prompt_token_mask is not None
         # Other rows hold the off values, so stale counts in their rows change nothing.
         index = self._tensor(rows, torch.int64)
+        output_counts = batch.output_token_counts[index]
+        with_drafts = np.flatnonzero(penalised & (offsets > 0))
+        if len(with_drafts):
+            positions = np.repeat(with_drafts, offsets[with_drafts])
+            starts = batch.num_tokens[rows[with_drafts]]
+            columns = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, offsets[with_drafts])])
+            drafts = batch.token_ids[rows[positions], columns]
+            output_counts.index_put_(
+                (self._tensor(positions, torch.int64), self._tensor(drafts, torch.int64)),
+                torch.ones(len(positions), dtype=torch.int32, device=self.device),
+                accumulate=True,
+            )
         return Penalties(
             presence=self._tensor(batch.presence_penalty[rows], torch.float32),
             frequency=self._tensor(batch.frequency_penalty[rows], torch.float32),
             repetition=self._tensor(batch.repetition_penalty[rows], torch.float32),
             prompt_mask=batch.prompt_token_mask[index],
-            output_counts=batch.output_token_counts[index],
+            output_counts=output_counts,
         )
 
     def _logprobs(
-        self, req_ids: list[str], sampling: np.ndarray, sampler_out: SamplerOutput
+        self, req_ids: list[str], emitted: list[tuple[int, int, int]], sampler_out: SamplerOutput
     ) -> dict[str, LogprobsLists]:
+        """The logprobs of each request's emitted positions: ``(index in req_ids, first
+        position, number of positions)`` per sampling request."""
         if sampler_out.logprobs is None:
             return {}
         ids = sampler_out.logprob_token_ids.cpu().tolist()
         values = sampler_out.logprobs.cpu().tolist()
         ranks = sampler_out.sampled_token_ranks.cpu().tolist()
         result = {}
-        for i, idx in enumerate(sampling):
+        for idx, start, num in emitted:
             params = self.batch.requests[req_ids[idx]].sampling_params
             if params.logprobs is None:
                 continue
-            n = 1 + params.logprobs
-            result[req_ids[idx]] = LogprobsLists([ids[i][:n]], [values[i][:n]], [ranks[i]])
+            n, end = 1 + params.logprobs, start + num
+            result[req_ids[idx]] = LogprobsLists(
+                [row[:n] for row in ids[start:end]], [row[:n] for row in values[start:end]], ranks[start:end]
+            )
         return result
+
+
+@dataclass
+class _SamplingPositions:
+    """Where the sampling positions of one step's sampling requests lie, request by request.
+
+    Attributes:
+        num_drafts: ``[R]`` the drafts each request verifies.
+        has_drafts: any request has drafts (else there is one position per request).
+        counts: ``[R]`` its positions, ``num_drafts + 1``.
+        starts: ``[R]`` its first position.
+        offsets: ``[P]`` each position's index within its request (drafts before it).
+    """
+
+    num_drafts: np.ndarray
+    has_drafts: bool
+    counts: np.ndarray
+    starts: np.ndarray
+    offsets: np.ndarray
+
+    @classmethod
+    def build(cls, drafts: list[list[int]]) -> _SamplingPositions:
+        n = len(drafts)
+        num_drafts = np.fromiter(map(len, drafts), dtype=np.int64, count=n)
+        if not num_drafts.any():
+            return cls(num_drafts, False, np.ones(n, dtype=np.int64), np.arange(n), np.zeros(n, dtype=np.int64))
+        counts = num_drafts + 1
+        starts = np.cumsum(counts) - counts
+        return cls(num_drafts, True, counts, starts, np.arange(counts.sum()) - np.repeat(starts, counts))
+
+    def token_index(self, ends: np.ndarray) -> np.ndarray:
+        """``[P]`` each position's index among the step's tokens, given where each request's
+        scheduled tokens end: its last ``counts`` tokens."""
+        if not self.has_drafts:
+            return ends - 1
+        return np.repeat(ends - self.counts, self.counts) + self.offsets
 
 
 def _bad_word_ends(bad_words: list[list[int]], output: np.ndarray) -> list[int]:
