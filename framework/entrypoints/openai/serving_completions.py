@@ -30,7 +30,7 @@ class OpenAIServingCompletion(OpenAIServing):
     ) -> CompletionResponse | AsyncIterator[str]:
         """The response, or for ``stream`` the server-sent events; raises ``OpenAIError``."""
         self.check_request(request)
-        prompts = [self.tokenize(p, "prompt") for p in _split_prompts(request.prompt)]
+        prompts = [await self.tokenize(p, "prompt") for p in _split_prompts(request.prompt)]
         for _, ids in prompts:
             self.check_context(len(ids), request.max_tokens)
         params = self.sampling_params(
