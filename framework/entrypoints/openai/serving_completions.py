@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from tokenmill.engine.async_llm import RequestStream
 from tokenmill.entrypoints.openai.errors import OpenAIError, from_exception
 from tokenmill.entrypoints.openai.protocol import (
+    MAX_PROMPTS,
     CompletionLogProbs,
     CompletionRequest,
     CompletionResponse,
@@ -187,4 +188,9 @@ def _split_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> lis
         raise OpenAIError("prompt must not be empty", param="prompt")
     if isinstance(prompt[0], int):
         return [prompt]
+    if len(prompt) > MAX_PROMPTS:
+        raise OpenAIError(
+            f"prompt lists {len(prompt)} prompts; at most {MAX_PROMPTS} are allowed per request",
+            param="prompt",
+        )
     return list(prompt)
