@@ -124,6 +124,12 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
         "give the tokenmill logger its own stderr handler and level; 0: leave it to the "
         "application's logging configuration",
     ),
+    "TOKENMILL_GRAMMAR_COMPILE_TIMEOUT": EnvVar(
+        "float",
+        60.0,
+        "seconds a request's structured-output constraint may take to compile; a request whose "
+        "constraint takes longer finishes with finish_reason 'error'",
+    ),
     "TOKENMILL_API_KEY": EnvVar(
         "str",
         None,
