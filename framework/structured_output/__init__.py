@@ -6,9 +6,11 @@ does not hold back the others; the engine core holds such a request back until i
 ready, and fails it if compiling takes longer than ``TOKENMILL_GRAMMAR_COMPILE_TIMEOUT``. A
 compile whose request was aborted is dropped if it has not started; one already running cannot
 be interrupted, but its size is bounded (``MAX_CHOICES``, ``MAX_CONSTRAINT_CHARS``) and it only
-keeps its own thread busy. Each step, one bitmask row is filled for every scheduled request that samples and has
-a constraint, and the model runner masks those rows' logits before sampling. Sampled tokens
-then advance the matchers, and a request whose constraint terminates finishes.
+keeps its own thread busy.
+
+Each step, one bitmask row is filled for every scheduled request that samples and has a
+constraint, and the model runner masks those rows' logits before sampling. Sampled tokens then
+advance the matchers, and a request whose constraint terminates finishes.
 
 xgrammar is imported only when the first constrained request arrives."""
 

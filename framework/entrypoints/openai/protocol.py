@@ -41,6 +41,7 @@ MAX_TOKEN_ID_ENTRIES = 2**18
 """Most entries of ``allowed_token_ids`` and of ``logit_bias`` (any vocabulary's size)."""
 
 StopString = Annotated[str, Field(max_length=MAX_STOP_STRING_CHARS)]
+StopStrings = Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)]
 
 VLLM_UNIMPLEMENTED_DEFAULTS: dict[str, Any] = {
     "use_beam_search": False,
@@ -152,7 +153,7 @@ class SamplingFields(OpenAIModel):
     top_k: int | None = None
     min_p: float | None = None
     seed: int | None = None
-    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stop: StopString | StopStrings | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
