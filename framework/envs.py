@@ -131,6 +131,12 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
         "seconds an engine core of 'tokenmill serve' may hold work without finishing a step "
         "before /health reports it stalled (503); it recovers once the core reports again",
     ),
+    "TOKENMILL_GRAMMAR_COMPILE_TIMEOUT": EnvVar(
+        "float",
+        60.0,
+        "seconds a request's structured-output constraint may take to compile; a request whose "
+        "constraint takes longer finishes with finish_reason 'error'",
+    ),
     "TOKENMILL_API_KEY": EnvVar(
         "str",
         None,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import math
 import numbers
 from dataclasses import dataclass, field, fields, replace
@@ -17,6 +18,14 @@ MAX_LOGPROBS = 20
 
 INT64_MIN, UINT64_MAX = -(2**63), 2**64 - 1
 """The integers msgpack carries to the engine core."""
+
+MAX_CHOICES = 10_000
+"""Most options a ``choice`` constraint may list (its compile time grows faster than the
+options: 20,000 take tens of seconds)."""
+
+MAX_CONSTRAINT_CHARS = 2**18
+"""Longest constraint, in characters: a JSON schema's text, a regex, a grammar, or a
+``choice``'s options together."""
 
 
 @dataclass
@@ -74,6 +83,30 @@ class StructuredOutputsParams:
             )
         if self.json_object is not None and self.json_object is not True:
             raise ValueError(f"structured_outputs.json_object must be true, got {self.json_object!r}")
+        self._check_size()
+
+    def _check_size(self) -> None:
+        """Refuse constraints too large to compile in reasonable time (``MAX_CHOICES``,
+        ``MAX_CONSTRAINT_CHARS``)."""
+        kind = self.kind
+        if self.choice is not None and len(self.choice) > MAX_CHOICES:
+            raise ValueError(
+                f"structured_outputs.choice has {len(self.choice)} options; at most "
+                f"{MAX_CHOICES} are allowed"
+            )
+        if kind == "choice":
+            size = sum(len(c) for c in self.choice)
+        elif kind == "json" and isinstance(self.json, dict):
+            size = len(json.dumps(self.json))
+        elif kind == "json_object":
+            size = 0
+        else:
+            size = len(getattr(self, kind))
+        if size > MAX_CONSTRAINT_CHARS:
+            raise ValueError(
+                f"structured_outputs.{kind} is {size} characters long; at most "
+                f"{MAX_CONSTRAINT_CHARS} are allowed"
+            )
 
     @property
     def kind(self) -> str:

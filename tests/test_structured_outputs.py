@@ -5,7 +5,9 @@ not compile is a ``ValueError`` and the engine goes on serving."""
 from __future__ import annotations
 
 import json
+import random
 import re
+import string
 import time
 
 import numpy as np
@@ -13,6 +15,7 @@ import pytest
 import torch
 
 from tokenmill import LLM, SamplingParams, StructuredOutputsParams
+from tokenmill.sampling_params import MAX_CHOICES, MAX_CONSTRAINT_CHARS
 from tokenmill.engine.input_processor import EngineCoreRequest
 from tokenmill.structured_output.bitmask import apply_grammar_bitmask
 
@@ -165,3 +168,36 @@ def test_core_finishes_a_request_whose_grammar_fails_to_compile(llm):
     while core.has_unfinished_requests():
         outputs += core.step().outputs
     assert [(o.req_id, o.new_token_ids, o.finish_reason) for o in outputs] == [("bad", [], "error")]
+
+
+def test_oversized_constraints_are_refused():
+    with pytest.raises(ValueError, match=f"choice has {MAX_CHOICES + 1} options; at most"):
+        StructuredOutputsParams(choice=[str(i) for i in range(MAX_CHOICES + 1)])
+    with pytest.raises(ValueError, match=f"regex is {MAX_CONSTRAINT_CHARS + 1} characters"):
+        StructuredOutputsParams(regex="a" * (MAX_CONSTRAINT_CHARS + 1))
+    with pytest.raises(ValueError, match="json is .* characters long; at most"):
+        StructuredOutputsParams(json={"enum": ["x" * 100] * 3000})
+    with pytest.raises(ValueError, match="choice is .* characters long; at most"):
+        StructuredOutputsParams(choice=["x" * 100] * 3000)
+    assert StructuredOutputsParams(choice=[str(i) for i in range(MAX_CHOICES)]).kind == "choice"
+
+
+def test_a_compile_past_the_time_limit_fails_its_request_alone(llm, monkeypatch):
+    """A constraint that takes seconds to compile (10,000 options of 16 letters and spaces)
+    fails once it has compiled for longer than TOKENMILL_GRAMMAR_COMPILE_TIMEOUT; a small one
+    added after it compiles beside it and completes."""
+    monkeypatch.setenv("TOKENMILL_GRAMMAR_COMPILE_TIMEOUT", "2")
+    rng = random.Random(7)
+    huge = ["".join(rng.choices(string.ascii_lowercase + " ", k=16)) for _ in range(10_000)]
+    core = llm.llm_engine.engine_core.engine_core
+    for req_id, choice in (("huge", huge), ("small", ["alpha", "beta"])):
+        params = SamplingParams(structured_outputs=StructuredOutputsParams(choice=choice))
+        core.add_request(EngineCoreRequest(req_id, [1, 2, 3], params, None, 16, time.monotonic()))
+    outputs = {}
+    while core.has_unfinished_requests():
+        for o in core.step().outputs:
+            outputs.setdefault(o.req_id, []).append(o)
+    assert [(o.new_token_ids, o.finish_reason) for o in outputs["huge"]] == [([], "error")]
+    assert outputs["small"][-1].finish_reason == "stop"
+    ids = [t for o in outputs["small"] for t in o.new_token_ids]
+    assert llm.get_tokenizer().decode(ids, skip_special_tokens=True) in ("alpha", "beta")

@@ -4,12 +4,14 @@ abort requests while the engine core steps without pause in its own process."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+import functools
 import itertools
 import logging
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from tokenmill import envs
 from tokenmill.config import EngineConfig
@@ -27,6 +29,8 @@ from tokenmill.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_PENDING_REQUESTS = 1024
+
+T = TypeVar("T")
 
 
 class QueueFullError(RuntimeError):
@@ -110,8 +114,9 @@ class AsyncLLM:
     ``data_parallel_size > 1``, one process per core behind a ``DPClient``): between steps it
     takes the requests and aborts sent to it, then steps while anything is unfinished, so new
     requests join the running batch. This process keeps the front end, on the event loop:
-    prompts are validated and tokenized once (``InputProcessor``), so a bad request raises
-    ``ValueError`` to its caller alone, and each step's outputs are detokenized, matched
+    prompts are validated and tokenized once (``InputProcessor``, in a worker thread: see
+    ``run_off_loop``), so a bad request raises ``ValueError`` to its caller alone, and each
+    step's outputs are detokenized, matched
     against stop strings and streamed (``OutputProcessor``) while the core computes the next
     step. An engine step that raises fails the requests it ran (their streams raise
     ``EngineStepError``); the core keeps serving the others, unless its executor died (a
@@ -133,6 +138,9 @@ class AsyncLLM:
         self.max_pending_requests = max_pending_requests
         self.stat_loggers = list(stat_loggers or [])
         self.tokenizer = load_tokenizer(config.tokenizer or config.model_path)
+        self._tokenizer_thread = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="tokenmill-tokenizer"
+        )
         self._streams: dict[str, RequestStream] = {}
         self._ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -177,6 +185,17 @@ class AsyncLLM:
         raises ``ValueError``."""
         return self.input_processor.tokenize_prompt(prompt)
 
+    async def run_off_loop(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """``fn(*args, **kwargs)`` in the front end's worker thread, so the event loop keeps
+        serving meanwhile: for tokenization, chat templates and request validation, whose cost
+        grows with the client's input (HF tokenizers release the GIL while they work). One
+        thread, as vLLM's ``AsyncMicrobatchTokenizer``: a fast tokenizer is not safe to share
+        between threads."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            self._tokenizer_thread, functools.partial(fn, *args, **kwargs)
+        )
+
     async def add_request(
         self,
         prompt: PromptType,
@@ -192,18 +211,12 @@ class AsyncLLM:
         once the engine core died; a request that raises leaves nothing behind. ``output_kind``
         is DELTA (for streaming) or FINAL_ONLY.
         """
-        if self._dead is not None:
-            raise self._dead
         if output_kind is RequestOutputKind.CUMULATIVE:
             raise ValueError("AsyncLLM streams DELTA or FINAL_ONLY outputs")
-        if len(self._streams) >= self.max_pending_requests:
-            raise QueueFullError(
-                f"the server is at capacity ({self.max_pending_requests} unfinished requests)"
-            )
         request_id = request_id or f"req-{next(self._ids)}"
-        if request_id in self._streams:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        request = self.input_processor.process(request_id, prompt, params)
+        self._check_admissible(request_id)
+        request = await self.run_off_loop(self.input_processor.process, request_id, prompt, params)
+        self._check_admissible(request_id)
         self._loop = asyncio.get_running_loop()
         self.output_processor.add_request(request, output_kind)
         stream = RequestStream(request_id, len(request.prompt_token_ids), output_kind)
@@ -220,6 +233,18 @@ class AsyncLLM:
             del self._streams[request_id]
             raise
         return stream
+
+    def _check_admissible(self, request_id: str) -> None:
+        """Raise unless a request ``request_id`` may be added now (checked again once its
+        processing, off the loop, is done: others may have been added meanwhile)."""
+        if self._dead is not None:
+            raise self._dead
+        if len(self._streams) >= self.max_pending_requests:
+            raise QueueFullError(
+                f"the server is at capacity ({self.max_pending_requests} unfinished requests)"
+            )
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
 
     async def generate(
         self,
@@ -284,6 +309,7 @@ class AsyncLLM:
         if self._dead is None:
             self._dead = EngineDeadError("the engine was shut down")
         self.engine_core.shutdown()
+        self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
         _hand_over(self._loop, self._fail_all, self._dead)
 
     def _on_core_output(self, item: EngineCoreOutputs | EngineDeadError) -> None:

@@ -7,6 +7,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from tokenmill import envs
 from tokenmill.config import EngineConfig
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.kv_cache_utils import make_block_hasher
@@ -159,7 +160,9 @@ class EngineCore:
         """Finish unfinished requests from outside a step (aborts, matched stop strings) and
         free their blocks; unknown or finished ids are ignored."""
         for req_id in req_ids:
-            self.waiting_for_fsm.pop(req_id, None)
+            req = self.waiting_for_fsm.pop(req_id, None)
+            if req is not None:
+                req.structured_output_request.future.cancel()
         self.scheduler.finish_requests(req_ids, status, stop_reason)
 
     def has_unfinished_requests(self) -> bool:
@@ -199,7 +202,8 @@ class EngineCore:
 
     def _admit_compiled(self) -> list[EngineCoreOutput]:
         """Hand requests whose constraint compiled to the scheduler (waiting a moment when
-        nothing else could run); finish those whose compilation failed."""
+        nothing else could run); finish those whose compilation failed or has been running
+        longer than ``TOKENMILL_GRAMMAR_COMPILE_TIMEOUT``."""
         if not self.waiting_for_fsm:
             return []
         if not self.scheduler.has_unfinished_requests():
@@ -209,8 +213,17 @@ class EngineCore:
                 return_when=concurrent.futures.FIRST_COMPLETED,
             )
         failed = []
+        timeout = envs.TOKENMILL_GRAMMAR_COMPILE_TIMEOUT
+        now = time.monotonic()
         for req_id, req in list(self.waiting_for_fsm.items()):
             so_request = req.structured_output_request
+            if so_request.compiling_longer_than(timeout, now):
+                del self.waiting_for_fsm[req_id]
+                logger.error(
+                    "request %s: structured output did not compile within %gs", req_id, timeout
+                )
+                failed.append(EngineCoreOutput(req_id, [], finish_reason="error"))
+                continue
             if not so_request.is_ready:
                 continue
             del self.waiting_for_fsm[req_id]

@@ -94,15 +94,15 @@ class InputProcessor:
     def validate_prompt_ids(self, ids: list[int]) -> None:
         if not ids:
             raise ValueError("prompt is empty")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(
-                f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
-            )
         if len(ids) > self.max_prompt_tokens:
             raise ValueError(
                 f"prompt is {len(ids)} tokens; at most {self.max_prompt_tokens} fit "
                 f"(max_model_len={self.max_model_len}, one token is kept for the output)"
+            )
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
             )
 
     def process(

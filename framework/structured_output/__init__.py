@@ -1,10 +1,16 @@
 """Structured outputs in the engine core (vLLM's ``StructuredOutputManager``).
 
-Constraints are compiled in a worker thread, so the engine loop keeps stepping while a new
-request's grammar compiles; the engine core holds such a request back until its matcher is
-ready. Each step, one bitmask row is filled for every sampling position of a scheduled request
-that samples and has a constraint (one, or ``k + 1`` with ``k`` drafts: the matcher advances
-through the drafts and rolls back), and the model runner masks those positions' logits before
+Constraints are compiled by a small pool of worker threads (xgrammar releases the GIL), so
+the engine loop keeps stepping while a new request's grammar compiles, and one slow constraint
+does not hold back the others; the engine core holds such a request back until its matcher is
+ready, and fails it if compiling takes longer than ``TOKENMILL_GRAMMAR_COMPILE_TIMEOUT``. A
+compile whose request was aborted is dropped if it has not started; one already running cannot
+be interrupted, but its size is bounded (``MAX_CHOICES``, ``MAX_CONSTRAINT_CHARS``) and it only
+keeps its own thread busy.
+
+Each step, one bitmask row is filled for every sampling position of a scheduled request that
+samples and has a constraint (one, or ``k + 1`` with ``k`` drafts: the matcher advances through
+the drafts and rolls back), and the model runner masks those positions' logits before
 sampling. The emitted tokens then advance the matchers for good, a request whose constraint
 terminates finishes, and new drafts are cut at the first token the constraint rejects.
 
@@ -14,6 +20,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import threading
+import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -28,6 +36,9 @@ if TYPE_CHECKING:
     from tokenmill.structured_output.backend_types import StructuredOutputBackend
 
 logger = logging.getLogger(__name__)
+
+COMPILE_THREADS = 4
+"""Constraints compiled at once."""
 
 
 def backend_class() -> type[StructuredOutputBackend]:
@@ -48,6 +59,7 @@ class StructuredOutputManager:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self._backend: StructuredOutputBackend | None = None
+        self._backend_lock = threading.Lock()
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
 
     def grammar_init(self, request: Request) -> None:
@@ -56,21 +68,34 @@ class StructuredOutputManager:
         assert params is not None
         if self._executor is None:
             self._executor = concurrent.futures.ThreadPoolExecutor(
-                max_workers=1, thread_name_prefix="tokenmill-grammar"
+                max_workers=COMPILE_THREADS, thread_name_prefix="tokenmill-grammar"
             )
-        future = self._executor.submit(self._compile, params)
-        request.structured_output_request = StructuredOutputRequest(params, future)
+        so_request = StructuredOutputRequest(params, concurrent.futures.Future())
+        self._executor.submit(self._compile, so_request)
+        request.structured_output_request = so_request
 
-    def _compile(self, params: StructuredOutputsParams):
-        if self._backend is None:
-            from tokenmill.model_loader.tokenizer import load_tokenizer
+    def _compile(self, so_request: StructuredOutputRequest) -> None:
+        """Compile into ``so_request.future``, unless it was cancelled while queued."""
+        if not so_request.future.set_running_or_notify_cancel():
+            return
+        try:
+            backend = self._get_backend()
+            so_request.compile_started = time.monotonic()
+            so_request.future.set_result(backend.compile_grammar(so_request.params))
+        except Exception as e:
+            so_request.future.set_exception(e)
 
-            path = self.config.tokenizer or self.config.model_path
-            tokenizer = load_tokenizer(path)
-            if tokenizer is None:
-                raise ValueError(f"structured outputs need a tokenizer and {path} has none")
-            self._backend = backend_class()(tokenizer, self.config.hf_config.vocab_size)
-        return self._backend.compile_grammar(params)
+    def _get_backend(self) -> StructuredOutputBackend:
+        with self._backend_lock:
+            if self._backend is None:
+                from tokenmill.model_loader.tokenizer import load_tokenizer
+
+                path = self.config.tokenizer or self.config.model_path
+                tokenizer = load_tokenizer(path)
+                if tokenizer is None:
+                    raise ValueError(f"structured outputs need a tokenizer and {path} has none")
+                self._backend = backend_class()(tokenizer, self.config.hf_config.vocab_size)
+            return self._backend
 
     def grammar_bitmask(
         self, requests: Iterable[Request], spec_tokens: dict[str, list[int]]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from http import HTTPStatus
 from typing import TypeVar
@@ -12,6 +12,7 @@ from typing import TypeVar
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -165,15 +166,21 @@ def build_app(
     async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Response:
         return await _respond(chat.create_chat_completion(body), raw)
 
-    @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
-        return tokenization.tokenize_request(body)
+    @app.post("/tokenize", response_model=TokenizeResponse)
+    async def tokenize(body: TokenizeRequest) -> Response:
+        return await engine.run_off_loop(_json_response, tokenization.tokenize_request, body)
 
-    @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
-        return tokenization.detokenize_request(body)
+    @app.post("/detokenize", response_model=DetokenizeResponse)
+    async def detokenize(body: DetokenizeRequest) -> Response:
+        return await engine.run_off_loop(_json_response, tokenization.detokenize_request, body)
 
     return app
+
+
+def _json_response(handler: Callable[[T], BaseModel], body: T) -> Response:
+    """``handler(body)`` as a JSON response: called off the event loop, as both the work and
+    the rendering grow with the client's input (a 10 MB text has millions of tokens)."""
+    return Response(handler(body).model_dump_json(), media_type="application/json")
 
 
 async def _respond(result: Awaitable, raw: Request) -> Response:

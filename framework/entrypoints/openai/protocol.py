@@ -31,6 +31,22 @@ logger = logging.getLogger(__name__)
 
 TokenIds = list[int]
 
+MAX_N = 128
+"""Most completions one request may ask for (``n``; OpenAI's limit)."""
+MAX_PROMPTS = 1024
+"""Most prompts one completions request may list."""
+MAX_MESSAGES = 10_000
+"""Most chat messages one request may hold."""
+MAX_STOP_STRINGS = 128
+MAX_STOP_STRING_CHARS = 1024
+MAX_BAD_WORDS = 1024
+MAX_CACHE_SALT_CHARS = 1024
+MAX_TOKEN_ID_ENTRIES = 2**18
+"""Most entries of ``allowed_token_ids`` and of ``logit_bias`` (any vocabulary's size)."""
+
+StopString = Annotated[str, Field(max_length=MAX_STOP_STRING_CHARS)]
+StopStrings = Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)]
+
 VLLM_UNIMPLEMENTED_DEFAULTS: dict[str, Any] = {
     "use_beam_search": False,
     "length_penalty": 1.0,
@@ -178,13 +194,13 @@ class SamplingFields(OpenAIModel):
     ``guided_choice`` / ``guided_grammar``, or ``response_format``."""
 
     model: str | None = None
-    n: int = 1
+    n: int = Field(1, le=MAX_N)
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None
     seed: int | None = None
-    stop: str | list[str] | None = None
+    stop: StopString | StopStrings | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
@@ -195,12 +211,12 @@ class SamplingFields(OpenAIModel):
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    allowed_token_ids: list[int] | None = None
-    bad_words: list[str] | None = None
+    logit_bias: Annotated[dict[str, float], Field(max_length=MAX_TOKEN_ID_ENTRIES)] | None = None
+    allowed_token_ids: Annotated[list[int], Field(max_length=MAX_TOKEN_ID_ENTRIES)] | None = None
+    bad_words: Annotated[list[str], Field(max_length=MAX_BAD_WORDS)] | None = None
     prompt_logprobs: int | None = None
     user: str | None = None
-    cache_salt: str | None = None
+    cache_salt: Annotated[str, Field(max_length=MAX_CACHE_SALT_CHARS)] | None = None
     structured_outputs: dict[str, Any] | None = None
     guided_json: str | dict[str, Any] | None = None
     guided_regex: str | None = None
@@ -323,7 +339,7 @@ class NamedToolChoice(OpenAIModel):
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage]
+    messages: Annotated[list[ChatMessage], Field(max_length=MAX_MESSAGES)]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
@@ -476,7 +492,7 @@ class TokenizeChatRequest(OpenAIModel):
     ``TokenizeChatRequest``)."""
 
     model: str | None = None
-    messages: list[ChatMessage]
+    messages: Annotated[list[ChatMessage], Field(max_length=MAX_MESSAGES)]
     add_generation_prompt: bool = True
     add_special_tokens: bool = False
     return_token_strs: bool | None = False

@@ -66,7 +66,8 @@ class OpenAIServingChat(OpenAIServing):
                 f"tool_choice={request.tool_choice!r} cannot be combined with structured outputs",
                 param="tool_choice",
             )
-        ids = self.tokenize(self._apply_chat_template(request), "messages")[1]
+        ids = await self.engine.run_off_loop(self._apply_chat_template, request)
+        ids = (await self.tokenize(ids, "messages"))[1]
         max_tokens, max_tokens_param = request.max_completion_tokens, "max_completion_tokens"
         if max_tokens is None:
             max_tokens, max_tokens_param = request.max_tokens, "max_tokens"
@@ -107,6 +108,8 @@ class OpenAIServingChat(OpenAIServing):
         )
 
     def _apply_chat_template(self, request: ChatCompletionRequest) -> list[int]:
+        """The prompt's token ids under the chat template (slow for long chats: run it off
+        the event loop)."""
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise OpenAIError("this model has no tokenizer, so it has no chat template")

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from tokenmill.engine.async_llm import RequestStream
 from tokenmill.entrypoints.openai.errors import OpenAIError, from_exception
 from tokenmill.entrypoints.openai.protocol import (
+    MAX_PROMPTS,
     CompletionLogProbs,
     CompletionRequest,
     CompletionResponse,
@@ -34,7 +35,7 @@ class OpenAIServingCompletion(OpenAIServing):
     ) -> CompletionResponse | AsyncIterator[str]:
         """The response, or for ``stream`` the server-sent events; raises ``OpenAIError``."""
         self.check_request(request)
-        prompts = [self.tokenize(p, "prompt") for p in _split_prompts(request.prompt)]
+        prompts = [await self.tokenize(p, "prompt") for p in _split_prompts(request.prompt)]
         for _, ids in prompts:
             self.check_context(len(ids), request.max_tokens)
         params = self.sampling_params(
@@ -195,4 +196,9 @@ def _split_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> lis
         raise OpenAIError("prompt must not be empty", param="prompt")
     if isinstance(prompt[0], int):
         return [prompt]
+    if len(prompt) > MAX_PROMPTS:
+        raise OpenAIError(
+            f"prompt lists {len(prompt)} prompts; at most {MAX_PROMPTS} are allowed per request",
+            param="prompt",
+        )
     return list(prompt)

@@ -101,12 +101,13 @@ class OpenAIServing:
                 message = max_tokens_param + message.removeprefix("max_tokens")
             raise from_exception(ValueError(message), PARAM_NAMES + (max_tokens_param,)) from None
 
-    def tokenize(self, prompt: str | list[int], param: str) -> tuple[str | None, list[int]]:
-        """Text and token ids of a prompt, checked against the vocabulary and context."""
+    async def tokenize(self, prompt: str | list[int], param: str) -> tuple[str | None, list[int]]:
+        """Text and token ids of a prompt, checked against the vocabulary and context (off
+        the event loop)."""
+        if not isinstance(prompt, str):
+            prompt = {"prompt_token_ids": prompt}
         try:
-            if isinstance(prompt, str):
-                return self.engine.tokenize_prompt(prompt)
-            return self.engine.tokenize_prompt({"prompt_token_ids": prompt})
+            return await self.engine.run_off_loop(self.engine.tokenize_prompt, prompt)
         except ValueError as e:
             raise OpenAIError(str(e), param=param) from None
 
