@@ -45,7 +45,7 @@ from tokenmill.selector import AttentionSelector
 from tokenmill.structured_output.bitmask import apply_grammar_bitmask
 from tokenmill.interfaces.decode_graph import DecodeGraphRunner
 from tokenmill.worker import spec_decode
-from tokenmill.worker.attention_groups import (
+from tokenmill.layers.attention_groups import (
     LayerMetadataBuilder,
     make_metadata_builder,
     model_attention_layers,
