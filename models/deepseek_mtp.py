@@ -6,12 +6,11 @@ layer indices ``num_hidden_layers + i``: ``enorm`` and ``hnorm`` (RMSNorms of th
 embedding and of the previous depth's hidden state), ``eh_proj`` ([hidden, 2·hidden], applied to
 their concatenation), one decoder block (MLA + MoE) and ``shared_head`` (``norm`` and ``head``).
 The embedding is the main model's (``model.embed_tokens``). Build it with
-``load_model(model_dir, mtp_config(hf_config), ...)``.
+``load_model(model_dir, target.mtp_config(), ...)`` (``DeepseekV2ForCausalLM.mtp_config``).
 """
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Iterable
 from typing import Any
 
@@ -23,18 +22,6 @@ from tokenmill.layers.linear import ReplicatedLinear
 from tokenmill.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from tokenmill.models.deepseek_v2 import DeepseekV2DecoderLayer, load_deepseek_weights
 from tokenmill.models.llama import maybe_prefix
-
-MTP_ARCHITECTURE = "DeepSeekMTPModel"
-
-
-def mtp_config(hf_config: Any) -> Any:
-    """A copy of a DeepSeek-V3 config whose architecture is the MTP model."""
-    if not getattr(hf_config, "num_nextn_predict_layers", 0):
-        raise ValueError("the checkpoint has no MTP layers (num_nextn_predict_layers is 0)")
-    config = copy.deepcopy(hf_config)
-    config.architectures = [MTP_ARCHITECTURE]
-    return config
-
 
 class SharedHead(nn.Module):
     """The MTP layer's output norm and vocabulary head."""

@@ -9,6 +9,7 @@ multi-token-prediction layers at index ``num_hidden_layers`` are skipped here an
 
 from __future__ import annotations
 
+import copy
 import re
 from collections import defaultdict
 from collections.abc import Iterable
@@ -230,6 +231,18 @@ class DeepseekV2Model(nn.Module):
         return hidden_states
 
 
+MTP_ARCHITECTURE = "DeepSeekMTPModel"
+"""The architecture of the MTP layers as a model of their own (``models/deepseek_mtp.py``)."""
+
+def mtp_hf_config(hf_config: Any) -> Any:
+    """A copy of a DeepSeek-V3 config whose architecture is the MTP model."""
+    if not getattr(hf_config, "num_nextn_predict_layers", 0):
+        raise ValueError("the checkpoint has no MTP layers (num_nextn_predict_layers is 0)")
+    config = copy.deepcopy(hf_config)
+    config.architectures = [MTP_ARCHITECTURE]
+    return config
+
+
 _LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
 _ROUTED_EXPERT = re.compile(r"\.experts\.\d+\.")
 _GATE_UP_MAPPING = ((".gate_up_proj", ".gate_proj", 0), (".gate_up_proj", ".up_proj", 1))
@@ -296,6 +309,10 @@ class DeepseekV2ForCausalLM(CausalLM):
     def __init__(self, config: Any, prefix: str = "") -> None:
         model = DeepseekV2Model(config, prefix=maybe_prefix(prefix, "model"), v3=self.is_v3)
         super().__init__(config, model, prefix)
+
+    def mtp_config(self) -> Any:
+        """``SupportsMTP``: :func:`mtp_hf_config` of this model's config."""
+        return mtp_hf_config(self.config)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load the decoder stack; MTP layers (index ≥ ``num_hidden_layers``) are skipped."""

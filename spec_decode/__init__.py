@@ -11,5 +11,6 @@ from tokenmill.plugins import hookimpl
 def register_proposers(register):
     register("ngram", "tokenmill.spec_decode.ngram:NgramProposer")
     register("draft_model", "tokenmill.spec_decode.draft_model:DraftModelProposer")
-    for method in ("eagle", "eagle3", "mtp"):
-        register(method, "tokenmill.spec_decode.eagle:EagleProposer")
+    register("eagle", "tokenmill.spec_decode.eagle:EagleProposer")
+    register("eagle3", "tokenmill.spec_decode.eagle:Eagle3Proposer")
+    register("mtp", "tokenmill.spec_decode.eagle:MTPProposer")

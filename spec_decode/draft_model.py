@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from tokenmill.interfaces.proposer import FlatInputs, ProposalBatch
-from tokenmill.layers.build_context import BuildContext
+from tokenmill.interfaces.build_context import BuildContext
 from tokenmill.model_loader.loader import load_model
 from tokenmill.spec_decode.model_proposer import ModelProposer, step_indices
 

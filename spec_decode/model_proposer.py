@@ -24,7 +24,7 @@ from tokenmill.layers.attention import Attention
 from tokenmill.layers.mla_attention import MLAAttention
 from tokenmill.spec_decode.ngram import prompt_lookup
 from tokenmill.speculative_config import SpeculativeConfig
-from tokenmill.worker.attention_groups import make_metadata_builder, model_attention_layers
+from tokenmill.layers.attention_groups import make_metadata_builder, model_attention_layers
 
 if TYPE_CHECKING:
     from tokenmill.config import EngineConfig

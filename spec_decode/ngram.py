@@ -3,21 +3,16 @@
 For each request, the longest suffix of its tokens (between ``prompt_lookup_min`` and
 ``prompt_lookup_max`` long) that also occurs earlier in its prompt or output; the tokens that
 followed its first earlier occurrence are the drafts. Vectorised over the batch with numpy on
-the persistent ``InputBatch`` arrays. The proposers with a model of their own draft from the
+the runner's persistent token arrays (``TokenView``). The proposers with a model of their own draft from the
 same lookup first when ``prompt_lookup_*`` is given (``model_proposer.py``).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from tokenmill.interfaces.proposer import Proposal, ProposalBatch, Proposer
-
-if TYPE_CHECKING:
-    from tokenmill.worker.input_batch import InputBatch
+from tokenmill.interfaces.proposer import Proposal, ProposalBatch, Proposer, TokenView
 
 
 class NgramProposer(Proposer):
@@ -28,7 +23,7 @@ class NgramProposer(Proposer):
 
 
 def prompt_lookup(
-    input_batch: InputBatch, rows: np.ndarray, k: int, lookup_min: int, lookup_max: int
+    input_batch: TokenView, rows: np.ndarray, k: int, lookup_min: int, lookup_max: int
 ) -> Proposal:
     """Up to ``k`` drafts for each of ``rows``: the tokens after the first earlier occurrence
     of its longest suffix of ``lookup_min``..``lookup_max`` tokens (none where no suffix recurs)."""

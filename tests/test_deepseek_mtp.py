@@ -16,7 +16,8 @@ from tokenmill.interfaces.attention import CommonAttentionMetadata
 from tokenmill.layers.build_context import BuildContext
 from tokenmill.layers.mla_attention import MLAAttention
 from tokenmill.model_loader import load_hf_config, load_model
-from tokenmill.models.deepseek_mtp import DeepSeekMTP, mtp_config
+from tokenmill.models.deepseek_mtp import DeepSeekMTP
+from tokenmill.models.deepseek_v2 import mtp_hf_config
 
 BLOCK_SIZE = 8
 
@@ -46,7 +47,7 @@ def test_mtp_layer_matches_reference_forward(tmp_path):
     config = load_hf_config(tmp_path)
     assert config.num_nextn_predict_layers == 1
     main = load_model(tmp_path, config, BuildContext(TorchMLABackend), "cpu")  # skips the MTP layer
-    mtp = load_model(tmp_path, mtp_config(config), BuildContext(TorchMLABackend), "cpu")
+    mtp = load_model(tmp_path, mtp_hf_config(config), BuildContext(TorchMLABackend), "cpu")
     assert isinstance(mtp, DeepSeekMTP)
     assert sum(isinstance(m, MLAAttention) for m in mtp.modules()) == 1
     assert sum(isinstance(m, MLAAttention) for m in main.modules()) == config.num_hidden_layers
@@ -80,4 +81,4 @@ def test_mtp_layer_matches_reference_forward(tmp_path):
 def test_mtp_config_needs_mtp_layers(tmp_path):
     hf = make_deepseek("v3", num_nextn_predict_layers=0)
     with pytest.raises(ValueError, match="no MTP layers"):
-        mtp_config(hf.config)
+        mtp_hf_config(hf.config)

@@ -22,7 +22,7 @@ from tokenmill.layers.build_context import BuildContext
 from tokenmill.model_loader import load_hf_config, load_model
 from tokenmill.models.deepseek_v2 import DeepseekV2DecoderLayer
 from tokenmill.models.llama import LlamaDecoderLayer, LlamaForCausalLM
-from tokenmill.worker.attention_groups import model_attention_layers
+from tokenmill.layers.attention_groups import model_attention_layers
 
 NUM_LAYERS = 4
 BLOCK_SIZE = 8

@@ -106,16 +106,16 @@ def test_a_step_that_does_not_speculate_runs_the_head_without_drafting(models, p
     """Speculation off for every step (``disable_by_batch_size`` 1): the head still runs after
     each step, over no request to draft for (only its cache pass), and nothing is drafted.
     With a cut-off of 4 and requests ending one by one, drafting resumes; outputs stay exact."""
-    from tokenmill.spec_decode.eagle import EagleProposer
+    from tokenmill.spec_decode.eagle import HeadProposer
 
     calls = []
-    propose = EagleProposer.propose
+    propose = HeadProposer.propose
 
     def spy(self, batch):
         calls.append(len(batch.rows))
         return propose(self, batch)
 
-    monkeypatch.setattr(EagleProposer, "propose", spy)
+    monkeypatch.setattr(HeadProposer, "propose", spy)
     spec = {"method": "eagle3", "model": models["eagle3"], "num_speculative_tokens": 3}
     llm = LLM(model=models["target"], num_kv_blocks=256, max_model_len=256,
               speculative_config=spec | {"disable_by_batch_size": 1})
@@ -137,10 +137,10 @@ def test_toggling_speculation_keeps_the_heads_cache_complete(models, prompts, he
     non-speculative run's, and every draft, before and after the steps that did not speculate,
     is the one the head makes for a fresh request of the same tokens (whose head cache is
     complete): those steps left no holes in the head's cache."""
-    from tokenmill.spec_decode.eagle import EagleProposer
+    from tokenmill.spec_decode.eagle import HeadProposer
 
     drafts: dict[tuple[int, ...], list[int]] = {}
-    propose = EagleProposer.propose
+    propose = HeadProposer.propose
 
     def spy(self, batch):
         proposal = propose(self, batch)
@@ -149,7 +149,7 @@ def test_toggling_speculation_keeps_the_heads_cache_complete(models, prompts, he
             drafts[tokens] = proposal.draft_token_ids[j, : proposal.num_draft_tokens[j]].tolist()
         return proposal
 
-    monkeypatch.setattr(EagleProposer, "propose", spy)
+    monkeypatch.setattr(HeadProposer, "propose", spy)
     target = "deepseek" if head == "mtp" else "target"
     spec = {"method": head, "num_speculative_tokens": 3}
     if head != "mtp":
@@ -207,7 +207,7 @@ def test_drafts_are_the_training_heads(models, tmp_path, monkeypatch, method):
     predict, from the files that script writes."""
     import transformers
 
-    from tokenmill.spec_decode.eagle import EagleProposer
+    from tokenmill.spec_decode.eagle import HeadProposer
 
     train = _training_script()
     cfg = json.loads((Path(models["target"]) / "config.json").read_text())
@@ -226,7 +226,7 @@ def test_drafts_are_the_training_heads(models, tmp_path, monkeypatch, method):
     train.save_head(tmp_path / "head", head, cfg, draft_ids)
 
     proposals = []
-    propose = EagleProposer.propose
+    propose = HeadProposer.propose
 
     def spy(self, batch):
         proposal = propose(self, batch)
@@ -234,7 +234,7 @@ def test_drafts_are_the_training_heads(models, tmp_path, monkeypatch, method):
             proposals.append(proposal.draft_token_ids.copy())
         return proposal
 
-    monkeypatch.setattr(EagleProposer, "propose", spy)
+    monkeypatch.setattr(HeadProposer, "propose", spy)
     spec = {"method": method, "model": str(tmp_path / "head"), "num_speculative_tokens": 3}
     llm = LLM(model=models["target"], num_kv_blocks=64, max_model_len=256, speculative_config=spec)
     prompt = [random.Random(1).randrange(256) for _ in range(21)]

@@ -7,11 +7,12 @@ from tokenmill.interfaces.attention import (
     AttentionMetadataBuilder,
     CommonAttentionMetadata,
 )
+from tokenmill.interfaces.build_context import BuildContext
 from tokenmill.interfaces.decode_graph import DecodeGraphRunner, GraphCapturableBuilder
 from tokenmill.interfaces.kv_cache_spec import FullAttentionSpec, KVCacheSpec, MLAAttentionSpec
-from tokenmill.interfaces.model import CausalLM
+from tokenmill.interfaces.model import CausalLM, SupportsEagle3, SupportsMTP
 from tokenmill.interfaces.platform import Platform
-from tokenmill.interfaces.proposer import FlatInputs, Proposal, ProposalBatch, Proposer, TargetStep
+from tokenmill.interfaces.proposer import FlatInputs, Proposal, ProposalBatch, Proposer, TargetStep, TokenView
 from tokenmill.interfaces.quantization import FusedMoEMethod, LinearMethod, QuantizationMethod
 
 __all__ = [
@@ -19,6 +20,7 @@ __all__ = [
     "AttentionConfig",
     "AttentionImpl",
     "AttentionMetadataBuilder",
+    "BuildContext",
     "CausalLM",
     "CommonAttentionMetadata",
     "DecodeGraphRunner",
@@ -34,5 +36,8 @@ __all__ = [
     "ProposalBatch",
     "Proposer",
     "QuantizationMethod",
+    "SupportsEagle3",
+    "SupportsMTP",
     "TargetStep",
+    "TokenView",
 ]

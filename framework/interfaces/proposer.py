@@ -1,9 +1,9 @@
 """The speculative-decoding proposer interface.
 
 After each target step the model runner asks the proposer for draft tokens of the requests that
-just sampled. Nothing is copied per step: a proposer reads the persistent ``InputBatch`` arrays
-(``token_ids[row, :num_tokens[row]]`` holds a request's prompt and accepted outputs, its new
-token included). Model-based proposers also get the step itself (``TargetStep``): the target's
+just sampled. Nothing is copied per step: a proposer reads the runner's persistent per-request
+arrays through a :class:`TokenView` (``token_ids[row, :num_tokens[row]]`` holds a request's
+prompt and accepted outputs, its new token included). Model-based proposers also get the step itself (``TargetStep``): the target's
 hidden states of every scheduled token and where each request's verified tokens lie, and can
 run their own model through ``TargetStep.prepare`` over the same block tables.
 """
@@ -13,20 +13,29 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
 from torch import nn
 
 from tokenmill.interfaces.attention import CommonAttentionMetadata
+from tokenmill.interfaces.build_context import BuildContext
 
 if TYPE_CHECKING:
     from tokenmill.config import EngineConfig
-    from tokenmill.layers.attention import Attention
-    from tokenmill.layers.build_context import BuildContext
     from tokenmill.speculative_config import SpeculativeConfig
-    from tokenmill.worker.input_batch import InputBatch
+
+
+class TokenView(Protocol):
+    """The runner's persistent per-request arrays, by row (read, never written)."""
+
+    token_ids: np.ndarray
+    """``[rows, max_model_len]`` int64: each request's prompt and accepted output tokens."""
+    num_tokens: np.ndarray
+    """``[rows]`` how many of a row's ``token_ids`` are set (its new token included)."""
+    num_computed_tokens: np.ndarray
+    """``[rows]`` how many of them the target has computed (are in its KV cache)."""
 
 
 @dataclass
@@ -52,24 +61,24 @@ class TargetStep:
     """The target step a model-based proposer continues from.
 
     Attributes:
-        rows: ``[S]`` ``InputBatch`` rows of every request scheduled this step, in step order.
+        rows: ``[S]`` ``TokenView`` rows of every request scheduled this step, in step order.
         start_positions: ``[S]`` position of each request's first scheduled token.
         cache_start_positions: ``[S]`` the first position of each request that the proposer's
             cache lacks: ``start_positions``, or earlier where steps the proposer was not
             called after (``Proposer.every_step`` False) left positions out. A proposer fills
             its cache from here up to the request's verified end, which the runner then takes
-            as filled; the tokens before ``start_positions`` are in ``InputBatch.token_ids``,
+            as filled; the tokens before ``start_positions`` are in ``TokenView.token_ids``,
             their hidden states are gone.
         query_start_loc: ``[S + 1]`` where each request's tokens lie in ``hidden_states``.
         hidden_states: ``[T, hidden]`` the target's last-layer states of the step's tokens.
         prepare: ``prepare(rows, num_computed, num_new)`` flattens ``num_new`` tokens of each
-            row read from ``InputBatch.token_ids`` from position ``num_computed`` on, with the
+            row read from ``TokenView.token_ids`` from position ``num_computed`` on, with the
             rows' block tables, into a ``FlatInputs``.
         aux_hidden_states: ``[T, n·hidden]`` the residual stream entering the layers a proposer
             asked the target for (``set_aux_hidden_state_layers``), else None.
 
     The verified tokens of row ``rows[s]`` are positions ``start_positions[s]`` up to
-    ``InputBatch.num_computed_tokens[rows[s]]`` (drafts the target rejected are excluded);
+    ``TokenView.num_computed_tokens[rows[s]]`` (drafts the target rejected are excluded);
     a row that sampled has its new token, not yet in any cache, at ``num_tokens - 1``.
     """
 
@@ -91,7 +100,7 @@ class ProposalBatch:
             empty (a step of prompt chunks only, or a step that does not speculate, with
             ``Proposer.every_step``), so that a model-based proposer can keep its caches in
             step with the target.
-        rows: ``[R]`` their ``InputBatch`` rows.
+        rows: ``[R]`` their ``TokenView`` rows.
         input_batch: the persistent per-request arrays (read, never written).
         num_speculative_tokens: the most draft tokens to propose per request (k).
         step: the target step, for model-based proposers (None for ``uses_target_step=False``).
@@ -99,7 +108,7 @@ class ProposalBatch:
 
     req_ids: list[str]
     rows: np.ndarray
-    input_batch: InputBatch
+    input_batch: TokenView
     num_speculative_tokens: int
     step: TargetStep | None = None
 
@@ -151,9 +160,10 @@ class Proposer(ABC):
     def load_model(self, target: nn.Module, build_ctx: BuildContext) -> None:
         """Load or attach the draft model (a no-op for model-free methods)."""
 
-    def attention_layers(self) -> dict[str, Attention]:
-        """The proposer's own attention layers, whose KV caches the runner allocates next to
-        the target's (same blocks, same block tables); names must not clash with the target's."""
+    def attention_layers(self) -> dict[str, nn.Module]:
+        """The proposer's own attention layers (``tokenmill.layers.attention.Attention``,
+        ``MLAAttention``), whose KV caches the runner allocates next to the target's (same
+        blocks, same block tables); names must not clash with the target's."""
         return {}
 
     @abstractmethod

@@ -9,7 +9,7 @@ Every step samples through the one ``Sampler`` (``tokenmill.sample``). With spec
 decoding a request's scheduled tokens end with its ``k`` drafts: its last ``k + 1`` positions
 are sampled (position ``j`` with the request's history plus its first ``j`` drafts), the drafts
 are accepted while they equal the sampled tokens, the rejected ones roll
-``num_computed_tokens`` back, and the proposer (``worker/spec_decode.py``) drafts the next ones.
+``num_computed_tokens`` back, and the proposer drafts the next ones (:meth:`ModelRunner._propose`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from tokenmill.core.scheduler_output import SchedulerOutput
 from tokenmill.forward_context import set_forward_context
 from tokenmill.interfaces.attention import CommonAttentionMetadata
 from tokenmill.interfaces.kv_cache_spec import KVCacheSpec
-from tokenmill.interfaces.proposer import FlatInputs, Proposer, TargetStep
+from tokenmill.interfaces.proposer import FlatInputs, ProposalBatch, Proposer, TargetStep
 from tokenmill.layers.attention import Attention
 from tokenmill.layers.build_context import BuildContext
 from tokenmill.layers.mla_attention import MLAAttention
@@ -44,8 +44,7 @@ from tokenmill.sampling_params import GREEDY_TEMPERATURE_EPS, SamplingParams
 from tokenmill.selector import AttentionSelector
 from tokenmill.structured_output.bitmask import apply_grammar_bitmask
 from tokenmill.interfaces.decode_graph import DecodeGraphRunner
-from tokenmill.worker import spec_decode
-from tokenmill.worker.attention_groups import (
+from tokenmill.layers.attention_groups import (
     LayerMetadataBuilder,
     make_metadata_builder,
     model_attention_layers,
@@ -288,9 +287,36 @@ class ModelRunner:
                     aux_hidden_states=aux_hidden,
                 )
             drafting = list(result.sampled_token_ids) if out.speculate else []
-            result.spec_token_ids = spec_decode.propose(self, self.proposer, req_ids, drafting, step)
+            result.spec_token_ids = self._propose(self.proposer, drafting, step)
             batch.proposer_num_computed[rows] = batch.num_computed_tokens[rows]
         return result
+
+    def _propose(
+        self, proposer: Proposer, sampled_req_ids: list[str], step: TargetStep | None
+    ) -> dict[str, list[int]]:
+        """Drafts, after a step that speculates, for the requests that sampled and have room
+        for ``k`` more tokens. Every sampling feature combines with drafts: each verified
+        position's logits are processed with the drafts before it (penalties, bad words,
+        ``min_tokens``, the grammar, which also cuts a constrained request's drafts in the
+        engine core). A proposer's ``draft_probs`` are kept in ``self.draft_probs`` for the next
+        step's verification."""
+        batch = self.batch
+        assert batch is not None
+        k = proposer.spec.num_speculative_tokens
+        max_len = self.config.max_model_len
+        eligible = [r for r in sampled_req_ids if batch.num_tokens[batch.requests[r].row] + k < max_len]
+        if not eligible and not proposer.uses_target_step:
+            return {}
+        rows = np.array([batch.requests[r].row for r in eligible], dtype=np.int64)
+        proposal = proposer.propose(ProposalBatch(eligible, rows, batch, k, step))
+        drafts = {}
+        for j, req_id in enumerate(eligible):
+            n = int(proposal.num_draft_tokens[j])
+            if n:
+                drafts[req_id] = proposal.draft_token_ids[j, :n].tolist()
+                if proposal.draft_probs is not None:
+                    self.draft_probs[req_id] = proposal.draft_probs[j, :n]
+        return drafts
 
     def _sample(
         self,
