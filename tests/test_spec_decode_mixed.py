@@ -12,7 +12,7 @@ import pytest
 from spec_decode_common import EOS, assert_same, make_tiny_checkpoint_with_tokenizer
 
 from tokenmill import LLM, SamplingParams, StructuredOutputsParams
-from tokenmill.logprobs import LOGPROBS_MODES
+from tokenmill.engine_args import LOGPROBS_MODES
 
 VOCAB = 256
 SPECS = {
