@@ -158,9 +158,9 @@ def test_input_batch_row_outlives_a_failed_add():
     params = SamplingParams(top_k=2**63)
     for _ in range(3):
         with pytest.raises(ValueError):
-            batch.add("too-long", list(range(9)), 9, [0], 0, params, None, [])
-    state = batch.add("fits", [1, 2, 3], 3, [0], 0, params, None, [])
+            batch.add("too-long", list(range(9)), 9, [0], 0, params, [])
+    state = batch.add("fits", [1, 2, 3], 3, [0], 0, params, [])
     assert state.row == 0 and batch.top_k[0] == 0 and batch.token_list(0) == [1, 2, 3]
     batch.remove("fits")
-    state = batch.add("top-k", [4], 1, [1], 0, SamplingParams(top_k=15), None, [])
+    state = batch.add("top-k", [4], 1, [1], 0, SamplingParams(top_k=15), [])
     assert batch.top_k[state.row] == 15

@@ -111,9 +111,12 @@ def test_decode_graphs_are_the_platforms_decision(monkeypatch, platform, enforce
     assert (runner and type(runner)) is runner_cls
 
 
-def test_gpu_platforms_have_no_op_table():
-    """Their layers run ``forward_native`` (torch's CUDA ops), as before the op tables."""
-    assert CudaPlatform.get_ops() == RocmPlatform.get_ops() == {}
+def test_gpu_platforms_op_table_is_the_triton_moe():
+    """Their layers run ``forward_native`` (torch's CUDA ops); MoE experts run the Triton
+    fused-MoE kernel, the platforms' one op."""
+    from tokenmill.platforms.cuda_fused_moe import TritonFusedMoEMethod
+
+    assert CudaPlatform.get_ops() == RocmPlatform.get_ops() == {"unquantized_fused_moe": TritonFusedMoEMethod}
 
 
 @pytest.mark.gpu

@@ -115,7 +115,9 @@ def run_case(seed: int, engines) -> None:
         llm = engines(mode, spec)
         before = llm.get_stats()["spec_num_drafts"]
         outputs = llm.generate(prompts, params, use_tqdm=False)
-        assert llm.get_stats()["spec_num_drafts"] > before
+        # A draft model drafts at every step; n-gram lookup only where a suffix recurs.
+        if spec == "draft":
+            assert llm.get_stats()["spec_num_drafts"] > before
         for i, (ref, out) in enumerate(zip(reference, outputs)):
             assert len(ref.outputs) == len(out.outputs)
             for ref_c, out_c in zip(ref.outputs, out.outputs):
@@ -130,6 +132,6 @@ def test_mixed_batches_equal_with_and_without_speculation(seed, engines):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("seed", range(16, 300))
+@pytest.mark.parametrize("seed", range(16, 64))
 def test_mixed_batches_equal_with_and_without_speculation_long(seed, engines):
     run_case(seed, engines)
