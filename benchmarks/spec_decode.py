@@ -1,4 +1,5 @@
-"""Speculative decoding vs none, side by side in one run, on the default model (greedy).
+"""Speculative decoding vs none, side by side in one run, on the default model (greedy unless
+``--temperature`` is given).
 
 Workloads:
 - ``copy``: single stream; chat prompts asking to repeat three given passages word for word
@@ -30,6 +31,7 @@ import statistics
 import time
 
 from tokenmill import LLM, SamplingParams
+from tokenmill.default_model import default_model_path
 
 PASSAGES = [
     "The Industrial Revolution began in Britain in the late eighteenth century. Steam engines, "
@@ -68,11 +70,14 @@ CONFIGS = {
                                   "prompt_lookup_min": 2, "prompt_lookup_max": 4}
         for method in ("eagle", "eagle3") for k in (2, 3, 4)
     },
+    "draft-self-k3": {"method": "draft_model", "num_speculative_tokens": 3, "disable_by_batch_size": 0},
     "eagle-k3-default-cutoff": {"method": "eagle", "num_speculative_tokens": 3},
     "eagle3-k3-default-cutoff": {"method": "eagle3", "num_speculative_tokens": 3},
 }
 """Configurations by name; ``eagle`` and ``eagle3`` ones use the heads shipped for the default
-model, ``-lookup`` ones draft from a prompt lookup first (the head where it finds no match)."""
+model, ``-lookup`` ones draft from a prompt lookup first (the head where it finds no match);
+``draft-self-k3`` is the default model drafting for itself (the acceptance of a draft model
+whose distribution equals the target's: 1.0 at any temperature when ``q`` is used)."""
 
 QUESTIONS = [
     "Explain what this passage says in your own words.",
@@ -135,6 +140,13 @@ def _run(llm: LLM, prompts: list, params: SamplingParams) -> tuple[int, float]:
     return sum(len(o.outputs[0].token_ids) for o in outs), time.perf_counter() - start
 
 
+def _with_draft_model(config: dict | None) -> dict | None:
+    """A ``draft_model`` configuration drafts with the default model unless it names one."""
+    if config is None or config["method"] != "draft_model" or "model" in config:
+        return config
+    return {**config, "model": default_model_path()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output-len", type=int, default=128)
@@ -142,12 +154,14 @@ def main() -> None:
     parser.add_argument("--single-stream-prompts", type=int, default=4,
                         help="prompts a single-stream run generates for, one at a time")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="sampling temperature of the timed requests (0: greedy)")
     parser.add_argument("--workload", default="copy,chat,concurrent")
     parser.add_argument("--configs", default="none,ngram-k4,ngram-k4-default-cutoff,eagle3-k3,eagle3-k3-default-cutoff")
     args = parser.parse_args()
-    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.output_len, ignore_eos=True)
     engines = {
-        name: LLM(speculative_config=CONFIGS[name], kv_cache_memory_bytes=2**29)
+        name: LLM(speculative_config=_with_draft_model(CONFIGS[name]), kv_cache_memory_bytes=2**29)
         for name in args.configs.split(",")
     }
     for workload in args.workload.split(","):

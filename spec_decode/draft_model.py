@@ -6,8 +6,14 @@ verified tokens and each drafting request's new token (so its cache follows the 
 prefill chunks, prefix-cache hits and recomputation after preemption included), then k - 1
 more single-token steps. Steps that do not speculate (``disable_by_batch_size``) do not run it;
 the first pass after them starts at each request's ``cache_start_positions``, catching up the
-tokens they computed as one prefill chunk. Drafts are the draft model's argmax: deterministic
-proposals, which the rejection sampler verifies exactly for greedy and random requests alike.
+tokens they computed as one prefill chunk.
+
+Drafts are sampled as the target samples (``tokenmill.sample.sampler.sample_draft``): the
+argmax for greedy requests, else a draw from the draft model's distribution ``q`` after the
+request's temperature, min-p, top-k and top-p, passed on as ``Proposal.draft_probs``; the
+sampler accepts a draft ``d`` with probability ``min(1, p(d) / q(d))`` (vLLM's rule). A model
+drafting for itself therefore has every draft accepted at any temperature; argmax drafts would
+be accepted with probability ``p(argmax)`` only.
 """
 
 from __future__ import annotations
@@ -21,7 +27,8 @@ from torch import nn
 from tokenmill.interfaces.proposer import FlatInputs, ProposalBatch
 from tokenmill.interfaces.build_context import BuildContext
 from tokenmill.model_loader.loader import load_model
-from tokenmill.spec_decode.model_proposer import ModelProposer, step_indices
+from tokenmill.sample.sampler import sample_draft
+from tokenmill.spec_decode.model_proposer import Draft, ModelProposer, step_indices
 
 
 class DraftModelProposer(ModelProposer):
@@ -31,7 +38,7 @@ class DraftModelProposer(ModelProposer):
 
     def _first_pass(
         self, batch: ProposalBatch, rows: np.ndarray
-    ) -> tuple[torch.Tensor | None, Any, np.ndarray]:
+    ) -> tuple[Draft | None, Any, np.ndarray]:
         step, ib = batch.step, batch.input_batch
         assert step is not None and self.model is not None
         drafting = np.isin(step.rows, rows)
@@ -41,12 +48,15 @@ class DraftModelProposer(ModelProposer):
         hidden = self._run(flat, flat.input_ids, flat.positions)
         at = torch.from_numpy(step_indices(step.rows, rows)).to(self.device)
         last = flat.last_token_index[at]
-        tokens = self.model.compute_logits(hidden[last]).argmax(dim=-1) if len(rows) else None
-        return tokens, None, ib.num_tokens[rows]
+        if not len(rows):
+            return None, None, ib.num_tokens[rows]
+        draft = Draft(*sample_draft(self.model.compute_logits(hidden[last]), ib, rows, 0))
+        return draft, (ib, rows), ib.num_tokens[rows]
 
     def _draft_step(
         self, flat: FlatInputs, tokens: torch.Tensor, state: Any, index: int
-    ) -> tuple[torch.Tensor, Any]:
+    ) -> tuple[Draft, Any]:
         assert self.model is not None
         hidden = self._run(flat, tokens, flat.positions)
-        return self.model.compute_logits(hidden).argmax(dim=-1), None
+        view, rows = state
+        return Draft(*sample_draft(self.model.compute_logits(hidden), view, rows, index)), state

@@ -38,7 +38,7 @@ from tokenmill.interfaces.proposer import FlatInputs, ProposalBatch, TargetStep
 from tokenmill.layers.mla_attention import MLAAttention
 from tokenmill.model_loader.loader import load_hf_config, load_model
 from tokenmill.speculative_config import SpeculativeConfig
-from tokenmill.spec_decode.model_proposer import ModelProposer, step_indices
+from tokenmill.spec_decode.model_proposer import Draft, ModelProposer, step_indices
 
 if TYPE_CHECKING:
     from tokenmill.config import EngineConfig
@@ -76,7 +76,7 @@ class HeadProposer(ModelProposer):
 
     def _first_pass(
         self, batch: ProposalBatch, rows: np.ndarray
-    ) -> tuple[torch.Tensor | None, Any, np.ndarray]:
+    ) -> tuple[Draft | None, Any, np.ndarray]:
         step, ib = batch.step, batch.input_batch
         assert step is not None and self.model is not None
         # The verified positions of every scheduled row, each with the token after it.
@@ -91,14 +91,14 @@ class HeadProposer(ModelProposer):
         input_ids = torch.from_numpy(next_ids).to(self.device)
         logits_states, hidden = self._step(flat, input_ids, hidden, 0)
         last = torch.from_numpy(cu[step_indices(step.rows, rows)] - 1).to(self.device)
-        tokens = self._draft_tokens(logits_states[last], 0) if len(rows) else None
-        return tokens, hidden[last], ib.num_computed_tokens[rows]
+        draft = Draft(self._draft_tokens(logits_states[last], 0)) if len(rows) else None
+        return draft, hidden[last], ib.num_computed_tokens[rows]
 
     def _draft_step(
         self, flat: FlatInputs, tokens: torch.Tensor, state: Any, index: int
-    ) -> tuple[torch.Tensor, Any]:
+    ) -> tuple[Draft, Any]:
         logits_states, hidden = self._step(flat, tokens, state, index)
-        return self._draft_tokens(logits_states, index), hidden
+        return Draft(self._draft_tokens(logits_states, index)), hidden
 
 
 class EagleProposer(HeadProposer):

@@ -12,7 +12,7 @@ accepted far more often than a small head's."""
 from __future__ import annotations
 
 from abc import abstractmethod
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import torch
@@ -31,6 +31,14 @@ if TYPE_CHECKING:
 
 LAYER_PREFIX = "draft."
 """Prefix of the proposer model's attention layers among the runner's KV caches."""
+
+
+class Draft(NamedTuple):
+    """One draft position of the rows a model drafts for: the tokens ``[R]`` and the
+    distributions ``[R, V]`` they were drawn from, or None for deterministic drafts."""
+
+    tokens: torch.Tensor
+    probs: torch.Tensor | None = None
 
 
 class ModelProposer(Proposer):
@@ -72,16 +80,16 @@ class ModelProposer(Proposer):
     @abstractmethod
     def _first_pass(
         self, batch: ProposalBatch, rows: np.ndarray
-    ) -> tuple[torch.Tensor | None, Any, np.ndarray]:
+    ) -> tuple[Draft | None, Any, np.ndarray]:
         """Run over every scheduled row's new tokens (keeping the model's cache in step);
-        return the first drafts ``[R]`` of ``rows``, those of ``batch.rows`` the model drafts
-        for (None when there are none), the state ``_draft_step`` continues from, and the
+        return the first drafts of ``rows``, those of ``batch.rows`` the model drafts for
+        (None when there are none), the state ``_draft_step`` continues from, and the
         position ``[R]`` the first draft is fed at."""
 
     @abstractmethod
     def _draft_step(
         self, flat: FlatInputs, tokens: torch.Tensor, state: Any, index: int
-    ) -> tuple[torch.Tensor, Any]:
+    ) -> tuple[Draft, Any]:
         """Draft ``index`` (from 1) from draft ``index - 1`` (``tokens``) at ``flat``'s
         positions; returns the drafts and the next state."""
 
@@ -98,18 +106,36 @@ class ModelProposer(Proposer):
             )
         drafting = proposal.num_draft_tokens == 0
         rows = batch.rows[drafting]
-        tokens, state, positions = self._first_pass(batch, rows)
-        if not len(rows):
+        draft, state, positions = self._first_pass(batch, rows)
+        if draft is None:
             return proposal
-        drafts = [tokens]
+        drafts = [draft]
         ones = np.ones(len(rows), dtype=np.int64)
         for i in range(1, k):
             flat = batch.step.prepare(rows, positions + i - 1, ones)
-            tokens, state = self._draft_step(flat, tokens, state, i)
-            drafts.append(tokens)
-        proposal.draft_token_ids[drafting] = torch.stack(drafts, dim=1).cpu().numpy()
+            draft, state = self._draft_step(flat, draft.tokens, state, i)
+            drafts.append(draft)
+        tokens = torch.stack([d.tokens for d in drafts], dim=1)
+        proposal.draft_token_ids[drafting] = tokens.cpu().numpy()
         proposal.num_draft_tokens[drafting] = k
+        if any(d.probs is not None for d in drafts):
+            proposal.draft_probs = _draft_probs(proposal, drafting, drafts, tokens)
         return proposal
+
+
+def _draft_probs(proposal: Proposal, drafting: np.ndarray, drafts: list[Draft], tokens: torch.Tensor) -> torch.Tensor:
+    """``[R, k, V]``: the model's draft distributions for the rows it drafted for, one-hot at
+    the drafts elsewhere (the prompt lookup's, and positions the model drew greedily)."""
+    vocab = next(d.probs for d in drafts if d.probs is not None).shape[-1]
+    num_rows, k = proposal.draft_token_ids.shape
+    probs = torch.zeros(num_rows, k, vocab, dtype=torch.float32, device=tokens.device)
+    ids = torch.from_numpy(proposal.draft_token_ids).to(tokens.device)
+    probs.scatter_(2, ids.unsqueeze(2), 1.0)
+    at = torch.from_numpy(np.flatnonzero(drafting)).to(tokens.device)
+    for i, draft in enumerate(drafts):
+        if draft.probs is not None:
+            probs[at, i] = draft.probs
+    return probs
 
 
 def step_indices(step_rows: np.ndarray, rows: np.ndarray) -> np.ndarray:

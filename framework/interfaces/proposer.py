@@ -36,6 +36,18 @@ class TokenView(Protocol):
     """``[rows]`` how many of a row's ``token_ids`` are set (its new token included)."""
     num_computed_tokens: np.ndarray
     """``[rows]`` how many of them the target has computed (are in its KV cache)."""
+    num_prompt_tokens: np.ndarray
+    """``[rows]`` how many of them are the prompt's."""
+    temperature: np.ndarray
+    """``[rows]`` float32 sampling temperature of each row's request (below 1e-5: greedy)."""
+    top_p: np.ndarray
+    """``[rows]`` float32 (1.0: off)."""
+    top_k: np.ndarray
+    """``[rows]`` int64 (0: off)."""
+    min_p: np.ndarray
+    """``[rows]`` float32 (0.0: off)."""
+    seeds: dict[int, int]
+    """row -> the ``seed`` of a row whose request has one."""
 
 
 @dataclass

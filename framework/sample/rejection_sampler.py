@@ -6,11 +6,12 @@ position's logits in its one order and draws each position's token ``x_j`` from 
 distribution ``p_j``; the drafts are then accepted while ``x_j == d_j`` and the request emits
 ``x_0 .. x_a`` (``a`` accepted drafts, then the target's own token at the first mismatch, or
 the bonus token after the last draft). For deterministic drafts (the proposer gives no
-``draft_probs``: n-gram, greedy draft models, EAGLE, MTP) ``x_j`` is the sampler's ordinary
+``draft_probs``: n-gram, EAGLE, MTP, a draft model for greedy requests) ``x_j`` is the sampler's ordinary
 draw, so ``P(accept d_j) = p_j(d_j)`` and on a rejection the token is ``p_j`` restricted to
 ``!= d_j``: exactly ``p_j``. Greedy rows accept while the draft is the argmax.
 
-With ``draft_probs`` (a draft distribution ``q``), ``apply_draft_probs`` makes ``x_j`` follow
+With ``draft_probs`` (a draft distribution ``q``: a draft model's for random requests, see
+``sampler.sample_draft``), ``apply_draft_probs`` makes ``x_j`` follow
 the standard rule instead: ``d_j`` with probability ``min(1, p_j(d_j) / q_j(d_j))``, else a draw
 from ``normalize(max(p_j - q_j, 0))`` (``p_j`` when that is empty), again exactly ``p_j``.
 

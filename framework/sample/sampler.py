@@ -31,13 +31,18 @@ A step without drafts is exactly one position per request and no step 3.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from torch import nn
 
 from tokenmill.engine_args import LOGPROBS_MODES, LogprobsMode
 from tokenmill.sample.rejection_sampler import Drafts, apply_draft_probs
 from tokenmill.sampling_params import GREEDY_TEMPERATURE_EPS
+
+if TYPE_CHECKING:
+    from tokenmill.interfaces.proposer import TokenView
 
 
 @dataclass
@@ -288,6 +293,71 @@ def position_seed(seed: int, position: int) -> int:
     """The seed of a seeded request's draws for its output token ``position`` (0 = first):
     a mix of both, so that every position's randomness comes from ``(seed, position)`` alone."""
     return _splitmix64(_splitmix64(seed & _MASK64) ^ position)
+
+
+_DRAFT_STREAM = 0x5DEECE66D
+
+
+def draft_seed(seed: int, position: int) -> int:
+    """The seed of a draft model's draw of a seeded request's draft for output token
+    ``position``: independent of the target's draws there (``position_seed``), which verify it."""
+    return _splitmix64(position_seed(seed, position) ^ _DRAFT_STREAM)
+
+
+def row_settings(
+    temperature: np.ndarray,
+    top_p: np.ndarray,
+    top_k: np.ndarray,
+    min_p: np.ndarray,
+    vocab_size: int,
+    device: torch.device,
+    seeds: dict[int, int],
+) -> SamplingMetadata:
+    """The metadata of rows that use only the sampling settings (temperature, top-p, top-k
+    where 0 is off, min-p, seeds): no logprobs, suppressed tokens, bias or penalties. The model
+    runner adds those; ``sample_draft`` samples a draft model's drafts with it."""
+
+    def tensor(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(array)).to(device=device, dtype=dtype)
+
+    greedy = temperature < GREEDY_TEMPERATURE_EPS
+    return SamplingMetadata(
+        temperature=tensor(temperature, torch.float32),
+        all_greedy=bool(greedy.all()),
+        all_random=not bool(greedy.any()),
+        top_p=tensor(top_p, torch.float32) if (top_p < 1).any() else None,
+        top_k=tensor(np.where(top_k > 0, top_k, vocab_size), torch.int64) if (top_k > 0).any() else None,
+        min_p=tensor(min_p, torch.float32) if (min_p > 0).any() else None,
+        seeds=seeds,
+        max_num_logprobs=None,
+        suppress_token_ids={},
+    )
+
+
+def sample_draft(
+    logits: torch.Tensor, view: TokenView, rows: np.ndarray, index: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A draft model's draft ``index`` (from 0) for each of ``rows``, from its logits
+    ``[R, V]``: the drafts ``[R]`` and the distributions ``q`` ``[R, V]`` they were drawn from
+    (one-hot at the argmax for greedy rows), or None when every row is greedy (deterministic
+    drafts). ``q`` is the model's softmax after the temperature, min-p, top-k and top-p of the
+    row's request (step 2 of the module docstring); a seeded request's draw is seeded by
+    ``draft_seed`` at the draft's output position."""
+    logits = logits.to(torch.float32)
+    temperature = view.temperature[rows]
+    if (temperature < GREEDY_TEMPERATURE_EPS).all():
+        return logits.argmax(dim=-1), None
+    seeds = {}
+    for i, row in enumerate(rows.tolist()):
+        seed = view.seeds.get(row)
+        if seed is not None and temperature[i] >= GREEDY_TEMPERATURE_EPS:
+            seeds[i] = draft_seed(seed, int(view.num_tokens[row] - view.num_prompt_tokens[row]) + index)
+    settings = row_settings(
+        temperature, view.top_p[rows], view.top_k[rows], view.min_p[rows], logits.shape[-1], logits.device, seeds
+    )
+    probs = to_probs(processed_logits(logits, settings), logits, settings)
+    race, _ = random_draws(probs, seeds)
+    return (probs / race).argmax(dim=-1), probs
 
 
 def gather_logprobs(

@@ -44,6 +44,7 @@ class InputBatch:
         self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.proposer_num_computed = np.zeros(max_num_reqs, dtype=np.int64)
         """Positions ``[0, n)`` of each row are in the speculative proposer's cache (prefix-cache
         hits are taken as in it); ``TargetStep.cache_start_positions``."""
@@ -53,6 +54,7 @@ class InputBatch:
         self.top_p = np.ones(max_num_reqs, dtype=np.float32)
         self.top_k = np.zeros(max_num_reqs, dtype=np.int64)
         self.min_p = np.zeros(max_num_reqs, dtype=np.float32)
+        self.seeds: dict[int, int] = {}
         self.presence_penalty = np.zeros(max_num_reqs, dtype=np.float32)
         self.frequency_penalty = np.zeros(max_num_reqs, dtype=np.float32)
         self.repetition_penalty = np.ones(max_num_reqs, dtype=np.float32)
@@ -83,6 +85,7 @@ class InputBatch:
         self.token_ids[row, :n] = token_ids
         self.num_tokens[row] = n
         self.num_computed_tokens[row] = num_computed_tokens
+        self.num_prompt_tokens[row] = num_prompt_tokens
         self.proposer_num_computed[row] = num_computed_tokens
         self.set_blocks(row, block_ids)
         self.temperature[row] = params.temperature
@@ -105,6 +108,8 @@ class InputBatch:
             req_id, row, num_prompt_tokens, params, min_tokens_suppress
         )
         self._free_rows.pop()
+        if params.seed is not None:
+            self.seeds[row] = params.seed
         self.requests[req_id] = state
         return state
 
@@ -143,6 +148,7 @@ class InputBatch:
     def remove(self, req_id: str) -> CachedRequestState | None:
         state = self.requests.pop(req_id, None)
         if state is not None:
+            self.seeds.pop(state.row, None)
             self._free_rows.append(state.row)
         return state
 

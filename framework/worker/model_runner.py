@@ -14,7 +14,7 @@ are accepted while they equal the sampled tokens, the rejected ones roll
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -39,6 +39,7 @@ from tokenmill.sample.sampler import (
     SamplerOutput,
     SamplingMetadata,
     position_seed,
+    row_settings,
 )
 from tokenmill.sampling_params import GREEDY_TEMPERATURE_EPS, SamplingParams
 from tokenmill.selector import AttentionSelector
@@ -438,8 +439,6 @@ class ModelRunner:
             sampling = np.repeat(sampling, counts)
         temperature = batch.temperature[rows]
         greedy = temperature < GREEDY_TEMPERATURE_EPS
-        top_p, top_k, min_p = batch.top_p[rows], batch.top_k[rows], batch.min_p[rows]
-        vocab = self.config.hf_config.vocab_size
         seeds: dict[int, int] = {}
         suppress: dict[int, list[int]] = {}
         max_logprobs: int | None = None
@@ -452,8 +451,9 @@ class ModelRunner:
             params = state.sampling_params
             num_tokens = batch.num_tokens[state.row] + offset
             num_output = num_tokens - state.num_prompt_tokens
-            if params.seed is not None and not greedy[i]:
-                seeds[i] = position_seed(params.seed, int(num_output))
+            seed = batch.seeds.get(state.row)
+            if seed is not None and not greedy[i]:
+                seeds[i] = position_seed(seed, int(num_output))
             if params.logprobs is not None:
                 max_logprobs = max(max_logprobs or 0, params.logprobs)
             banned = []
@@ -475,16 +475,12 @@ class ModelRunner:
                 torch.tensor(bias_ids, dtype=torch.int64, device=self.device),
                 torch.tensor(bias_values, dtype=torch.float32, device=self.device),
             )
-        return SamplingMetadata(
-            temperature=self._tensor(temperature, torch.float32),
-            all_greedy=bool(greedy.all()),
-            all_random=not bool(greedy.any()),
-            top_p=self._tensor(top_p, torch.float32) if (top_p < 1).any() else None,
-            top_k=self._tensor(np.where(top_k > 0, top_k, vocab), torch.int64)
-            if (top_k > 0).any()
-            else None,
-            min_p=self._tensor(min_p, torch.float32) if (min_p > 0).any() else None,
-            seeds=seeds,
+        settings = row_settings(
+            temperature, batch.top_p[rows], batch.top_k[rows], batch.min_p[rows],
+            self.config.hf_config.vocab_size, self.device, seeds,
+        )
+        return replace(
+            settings,
             max_num_logprobs=max_logprobs,
             suppress_token_ids=suppress,
             disallowed_mask=self._gather_disallowed(rows),
