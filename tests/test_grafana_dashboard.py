@@ -62,7 +62,11 @@ def test_dashboard_is_well_formed():
 
 
 def test_every_metric_the_dashboard_names_exists(tmp_path):
-    named = {name for query in queries(json.loads(DASHBOARD.read_text())) for name in METRIC.findall(query)}
+    named = {
+        name
+        for query in queries(json.loads(DASHBOARD.read_text()))
+        for name in METRIC.findall(query)
+    }
     assert len(named) >= 10
     missing = named - rendered_names(tmp_path)
     assert not missing, f"the dashboard names metrics that /metrics does not render: {missing}"

@@ -81,8 +81,15 @@ def test_no_request_to_another_host():
     offenders = []
     for name, content in web_files().items():
         text = content.decode()
-        for pattern in (r"[a-z][a-z0-9+.-]*://", r"""["'(=]\s*//[^/\s]""", r"@import", r"url\(",
-                        r"importScripts", r"import\(", r"createElement\(\s*[\"']script"):
+        for pattern in (
+            r"[a-z][a-z0-9+.-]*://",
+            r"""["'(=]\s*//[^/\s]""",
+            r"@import",
+            r"url\(",
+            r"importScripts",
+            r"import\(",
+            r"createElement\(\s*[\"']script",
+        ):
             offenders += [(name, m.group()) for m in re.finditer(pattern, text, re.IGNORECASE)]
     assert not offenders
 
@@ -97,8 +104,18 @@ def test_wheel_ships_the_web_files(tmp_path):
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, source / name)
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-         "-w", str(tmp_path / "dist"), str(source)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(tmp_path / "dist"),
+            str(source),
+        ],
         check=True,
     )
     [wheel] = (tmp_path / "dist").glob("tokenmill-*.whl")

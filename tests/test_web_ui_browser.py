@@ -48,8 +48,12 @@ def server() -> Iterator[RemoteServer]:
 def browser() -> Iterator[WebDriver]:
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
-    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage",
-                "--window-size=1280,1000"):
+    for arg in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-dev-shm-usage",
+        "--window-size=1280,1000",
+    ):
         options.add_argument(arg)
     options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     driver = webdriver.Chrome(options=options, service=Service(CHROMEDRIVER))
@@ -105,6 +109,11 @@ def reply_done(browser: WebDriver):
     return replies[-1] if replies else None
 
 
+def scrapes(browser: WebDriver) -> int:
+    """How many times the engine page has read /metrics."""
+    return int(browser.find_element(By.TAG_NAME, "body").get_attribute("data-scrapes") or 0)
+
+
 def test_chat_streams_the_answer(browser, server, screenshots):
     open_chat(browser, server)
     assert [o.text for o in browser.find_elements(By.CSS_SELECTOR, "#model option")] == [MODEL]
@@ -153,7 +162,6 @@ def test_stop_aborts_the_request_in_the_engine(browser, server, screenshots):
 
 def test_engine_page_numbers_move_under_load(browser, server, screenshots):
     browser.get(server.url + "/engine")
-    scrapes = lambda b: int(b.find_element(By.TAG_NAME, "body").get_attribute("data-scrapes") or 0)  # noqa: E731
     wait(browser, lambda b: scrapes(b) >= 2)
 
     def card(name: str) -> str:
@@ -188,7 +196,9 @@ def test_engine_page_numbers_move_under_load(browser, server, screenshots):
             thread.join(60)
     assert all(seen.values()), seen
     assert statuses and set(statuses) == {200}
-    wait(browser, lambda b: int(card("finished").replace(",", "")) == finished_before + len(statuses))
+    wait(
+        browser, lambda b: int(card("finished").replace(",", "")) == finished_before + len(statuses)
+    )
     assert card("gen-total") != generated_before
     assert card("ttft").endswith(("ms", " s")) and card("tpot").endswith(("ms", " s"))
     assert "p90" in card("ttft-q")
