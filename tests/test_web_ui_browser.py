@@ -7,6 +7,7 @@ Screenshots of both pages go to ``$TOKENMILL_SCREENSHOT_DIR`` if set, else to a
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import threading
@@ -55,7 +56,7 @@ def browser() -> Iterator[WebDriver]:
         "--window-size=1280,1000",
     ):
         options.add_argument(arg)
-    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL", "performance": "ALL"})
     driver = webdriver.Chrome(options=options, service=Service(CHROMEDRIVER))
     yield driver
     driver.quit()
@@ -112,6 +113,26 @@ def reply_done(browser: WebDriver):
 def scrapes(browser: WebDriver) -> int:
     """How many times the engine page has read /metrics."""
     return int(browser.find_element(By.TAG_NAME, "body").get_attribute("data-scrapes") or 0)
+
+
+def test_without_the_key_the_chat_page_asks_for_it(browser, server):
+    browser.get(server.url + "/")
+    browser.execute_script("sessionStorage.clear()")
+    browser.get(server.url + "/")
+    wait(browser, lambda b: b.find_element(By.ID, "key-form").is_displayed())
+    assert not browser.find_elements(By.CSS_SELECTOR, "#model option")
+    fill(browser, "prompt", QUESTION)
+    browser.find_element(By.ID, "send").click()
+    wait(browser, lambda b: "API key" in b.find_element(By.ID, "status").text)
+    assert browser.find_element(By.ID, "prompt").get_attribute("value") == QUESTION
+    assert not browser.find_elements(By.CSS_SELECTOR, ".message")
+    browser.find_element(By.ID, "api-key").send_keys("wrong-key")
+    browser.find_element(By.CSS_SELECTOR, "#key-form button").click()
+    wait(
+        browser,
+        lambda b: "refused" in b.find_element(By.ID, "api-key").get_attribute("placeholder"),
+    )
+    assert browser.find_element(By.ID, "key-form").is_displayed()
 
 
 def test_chat_streams_the_answer(browser, server, screenshots):
@@ -206,14 +227,21 @@ def test_engine_page_numbers_move_under_load(browser, server, screenshots):
 
 
 def test_no_request_outside_the_server(browser, server):
-    """Every request the pages made went to the server; the browser logged no CSP violation
-    and no error but the API's 401 that makes the chat page ask for the key."""
-    entries = browser.get_log("browser")
-    hosts = {e["message"].split(" ", 1)[0] for e in entries if e.get("source") == "network"}
-    assert all(h.startswith(server.url + "/") for h in hosts), hosts
+    """Every request the pages made (Chromium's network log) went to the server; the browser
+    logged no CSP violation and no error but the API's 401s that make the chat page ask for
+    the key."""
+    urls = set()
+    for entry in browser.get_log("performance"):
+        message = json.loads(entry["message"])["message"]
+        if message["method"] == "Network.requestWillBeSent":
+            urls.add(message["params"]["request"]["url"].split("?", 1)[0])
+    paths = {url.removeprefix(server.url) for url in urls}
+    assert {"/", "/engine", "/ui/chat.js", "/v1/chat/completions", "/metrics"} <= paths
+    assert all(url.startswith(server.url + "/") or url.startswith("data:") for url in urls), urls
     errors = [
         e["message"]
-        for e in entries
-        if e["level"] == "SEVERE" and "/v1/models - Failed to load resource" not in e["message"]
+        for e in browser.get_log("browser")
+        if e["level"] == "SEVERE"
+        and "the server responded with a status of 401" not in e["message"]
     ]
     assert not errors

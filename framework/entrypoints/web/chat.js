@@ -130,7 +130,7 @@ async function send() {
     return;
   }
   $("prompt").value = "";
-  addMessage("user", text);
+  const question = addMessage("user", text);
   const reply = addMessage("assistant", "");
   const content = reply.querySelector(".content");
   reply.classList.add("streaming");
@@ -181,13 +181,16 @@ async function send() {
   }
   reply.classList.remove("streaming");
   reply.dataset.finishReason = finishReason ?? "";
+  reply.querySelector(".meta").textContent = describe(started, firstToken, usage, finishReason);
   if (answer) {
     conversation.push({ role: "assistant", content: answer });
   } else {
+    // Nothing came back: take the message back into the box, to send again.
     conversation.pop();
-    if (finishReason === "error") reply.remove();
+    question.remove();
+    reply.remove();
+    if (!$("prompt").value) $("prompt").value = text;
   }
-  reply.querySelector(".meta").textContent = describe(started, firstToken, usage, finishReason);
 }
 
 function describe(started, firstToken, usage, finishReason) {
