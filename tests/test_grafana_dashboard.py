@@ -29,7 +29,9 @@ def queries(dashboard: dict) -> list[str]:
 def rendered_names(tmp_path) -> set[str]:
     path = make_tiny_checkpoint(tmp_path / "m")
     save_byte_tokenizer(path)
-    engine = AsyncLLM.from_engine_args(model=path, num_kv_blocks=32, block_size=8, max_model_len=64)
+    engine = AsyncLLM.from_engine_args(
+        model=path, engine_process=False, num_kv_blocks=32, block_size=8, max_model_len=64
+    )
     metrics = PrometheusMetrics(engine.get_stats, engine.get_engine_stats, "tiny")
     engine.stat_loggers.append(metrics)
 

@@ -281,10 +281,13 @@ async function poll() {
     const response = await api("/metrics");
     if (!response.ok) throw new Error(await errorMessage(response));
     const t = performance.now() / 1000;
-    samples.push(snapshot(parseMetrics(await response.text()), t));
+    const metrics = parseMetrics(await response.text());
+    samples.push(snapshot(metrics, t));
     while (samples.length > 2 && t - samples[0].t > KEEP_SECONDS + 1) samples.shift();
     show();
-    $("engine-status").textContent = `Updated ${new Date().toLocaleTimeString()}.`;
+    const models = [...new Set(metrics.map((m) => m.labels.model_name).filter(Boolean))];
+    $("engine-status").textContent =
+      `${models.join(", ")} · updated ${new Date().toLocaleTimeString()}`;
     $("engine-status").classList.remove("error");
     document.body.dataset.scrapes = String(++scrapes);
   } catch (e) {
