@@ -192,7 +192,7 @@ def test_engine_page_numbers_move_under_load(browser, server, screenshots):
     generated_before = card("gen-total")
     assert card("running") == "0" and card("ttft") == "–"
     assert browser.find_element(By.ID, "engine-status").text.startswith(f"{MODEL} · updated")
-    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 16, "ignore_eos": True}
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 8, "ignore_eos": True}
     stop = threading.Event()
     statuses: list[int] = []
 
