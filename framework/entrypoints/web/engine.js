@@ -233,8 +233,9 @@ function draw(canvas, series, start, end, fixedMax) {
   ctx.globalAlpha = 1;
   ctx.textAlign = "right";
   ctx.textBaseline = "middle";
+  const digits = Number.isInteger(max / 4) ? 0 : 2;
   for (let i = 0; i <= 4; i++) {
-    ctx.fillText(formatNumber((max * i) / 4, max < 10 ? 2 : 0), left - 6, bottom - (plotHeight * i) / 4);
+    ctx.fillText(formatNumber((max * i) / 4, digits), left - 6, bottom - (plotHeight * i) / 4);
   }
   ctx.textAlign = "left";
   ctx.textBaseline = "alphabetic";
