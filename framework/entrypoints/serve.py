@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from tokenmill import envs, plugins
 from tokenmill.cli import add_engine_args, engine_kwargs
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
 
 
 def register_subcommand(subparsers: argparse._SubParsersAction) -> None:
@@ -50,6 +54,11 @@ def register_subcommand(subparsers: argparse._SubParsersAction) -> None:
         "registered tool parser (hermes, llama3_json, or a plugin's); needs "
         "--enable-auto-tool-choice",
     )
+    parser.add_argument(
+        "--disable-web-ui",
+        action="store_true",
+        help="do not serve the browser UI (the chat page at / and the engine page at /engine)",
+    )
     parser.add_argument("--uvicorn-log-level", default="info", help="uvicorn's log level")
     add_engine_args(parser)
     parser.set_defaults(func=run)
@@ -58,6 +67,13 @@ def register_subcommand(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
+    app = make_app(args)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
+    return 0
+
+
+def make_app(args: argparse.Namespace) -> FastAPI:
+    """The server's app for the parsed ``serve`` arguments, its engine started."""
     if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
         raise SystemExit(
             "error: --enable-auto-tool-choice and --tool-call-parser must be given together"
@@ -81,8 +97,10 @@ def run(args: argparse.Namespace) -> int:
         **limit, engine_process=args.engine_process, **engine_kwargs(args)
     )
     names = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
-    app = build_app(
-        engine, names, args.api_key or envs.TOKENMILL_API_KEY, args.tool_call_parser
+    return build_app(
+        engine,
+        names,
+        args.api_key or envs.TOKENMILL_API_KEY,
+        args.tool_call_parser,
+        web_ui=not args.disable_web_ui,
     )
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
-    return 0

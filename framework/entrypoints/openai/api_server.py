@@ -39,6 +39,7 @@ from tokenmill.entrypoints.openai.serving_chat import OpenAIServingChat
 from tokenmill.entrypoints.openai.serving_completions import OpenAIServingCompletion
 from tokenmill.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from tokenmill.entrypoints.openai.tool_calls import load_tool_parser
+from tokenmill.entrypoints.web_ui import add_web_ui
 
 T = TypeVar("T")
 
@@ -96,10 +97,12 @@ def build_app(
     served_model_names: list[str],
     api_key: str | None = None,
     tool_call_parser: str | None = None,
+    web_ui: bool = True,
 ) -> FastAPI:
     """The FastAPI app serving ``engine`` under ``served_model_names`` (the first is the one
     responses name); it shuts the engine down when the app stops. ``tool_call_parser``: the
-    registered tool parser that ``tool_choice="auto"`` uses; None refuses "auto"."""
+    registered tool parser that ``tool_choice="auto"`` uses; None refuses "auto".
+    ``web_ui``: serve the browser pages at ``/`` and ``/engine`` (see ``web_ui``)."""
     metrics = PrometheusMetrics(engine.get_stats, engine.get_engine_stats, served_model_names[0])
     engine.stat_loggers.append(metrics)
     completions = OpenAIServingCompletion(engine, served_model_names)
@@ -174,6 +177,8 @@ def build_app(
     async def detokenize(body: DetokenizeRequest) -> Response:
         return await engine.run_off_loop(_json_response, tokenization.detokenize_request, body)
 
+    if web_ui:
+        add_web_ui(app)
     return app
 
 
