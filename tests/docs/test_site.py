@@ -1,5 +1,6 @@
 """The docs site: `mkdocs build --strict` passes (no broken link or anchor, no page missing from
-the navigation, every API reference page rendered), and the README's map names every page."""
+the navigation, every API reference page rendered), the README's map names every page and
+benchmarks/README.md every script."""
 
 from __future__ import annotations
 
@@ -31,3 +32,10 @@ def test_readme_maps_every_docs_page():
     linked = set(re.findall(r"\]\(docs/([\w/]+\.md)", readme))
     pages = {p.name for p in (ROOT / "docs").glob("*.md")} - {"index.md"}
     assert pages - linked == set(), "add these pages to the README's documentation table"
+
+
+def test_benchmarks_readme_lists_every_script():
+    index = (ROOT / "benchmarks" / "README.md").read_text()
+    listed = set(re.findall(r"^\| `([\w.]+)` \|", index, re.M))
+    scripts = {p.name for p in (ROOT / "benchmarks").iterdir() if p.suffix in (".py", ".sh")}
+    assert listed == scripts
