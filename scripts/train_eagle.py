@@ -582,7 +582,7 @@ def main() -> None:
             for g in opt.param_groups:
                 g["lr"] = lr
             losses = step_losses(model, *collate(train, group), args.ttt_steps)
-            loss = sum(w * l for w, (l, _) in zip(weights, losses))
+            loss = sum(w * step_loss for w, (step_loss, _) in zip(weights, losses))
             opt.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

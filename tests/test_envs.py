@@ -134,7 +134,7 @@ def test_bad_value_is_an_error_naming_the_variable(monkeypatch, name, text, mess
 
 def test_unknown_attribute():
     with pytest.raises(AttributeError):
-        envs.TOKENMILL_NO_SUCH_VARIABLE
+        _ = envs.TOKENMILL_NO_SUCH_VARIABLE
     assert set(ENVIRONMENT_VARIABLES) <= set(dir(envs))
 
 

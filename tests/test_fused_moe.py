@@ -17,7 +17,7 @@ from tokenmill.layers.fused_moe import (
     stacked_expert_mlp,
 )
 
-E, H, I = 8, 32, 16
+E, H, FF = 8, 32, 16
 
 
 def loop_reference(x, w13, w2, topk_weights, topk_ids):
@@ -26,14 +26,14 @@ def loop_reference(x, w13, w2, topk_weights, topk_ids):
     for t in range(x.shape[0]):
         for k in range(topk_ids.shape[1]):
             e = int(topk_ids[t, k])
-            gate, up = (w13[e] @ x[t]).split(I)
+            gate, up = (w13[e] @ x[t]).split(FF)
             out[t] += topk_weights[t, k] * (w2[e] @ (F.silu(gate) * up))
     return out
 
 
 def _weights(seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
-    return torch.randn(E, 2 * I, H, generator=gen) * 0.2, torch.randn(E, H, I, generator=gen) * 0.2
+    return torch.randn(E, 2 * FF, H, generator=gen) * 0.2, torch.randn(E, H, FF, generator=gen) * 0.2
 
 
 def test_sorted_experts_equal_loop_reference_with_idle_experts():
@@ -92,10 +92,10 @@ def test_fused_moe_layer_loads_per_expert_tensors_and_adds_shared():
     w13, w2 = _weights(4)
     with model_build_context(BuildContext(TorchRefBackend)):
         shared = torch.nn.Linear(H, H, bias=False)
-        moe = FusedMoE(E, 2, H, I, shared_experts=shared)
+        moe = FusedMoE(E, 2, H, FF, shared_experts=shared)
     for e in range(E):
-        moe.weight_loader(moe.w13_weight, w13[e, :I], e, "w1")
-        moe.weight_loader(moe.w13_weight, w13[e, I:], e, "w3")
+        moe.weight_loader(moe.w13_weight, w13[e, :FF], e, "w1")
+        moe.weight_loader(moe.w13_weight, w13[e, FF:], e, "w3")
         moe.weight_loader(moe.w2_weight, w2[e], e, "w2")
     with pytest.raises(ValueError, match="expected"):
         moe.weight_loader(moe.w2_weight, w2[0].t(), 0, "w2")
@@ -116,7 +116,7 @@ def test_cpu_onednn_experts_equal_loop_reference_with_idle_experts():
 
     w13, w2 = _weights(6)
     with model_build_context(BuildContext(TorchRefBackend, ops=CpuPlatform.get_ops())):
-        moe = FusedMoE(E, 2, H, I)
+        moe = FusedMoE(E, 2, H, FF)
     assert isinstance(moe.moe_method, OneDNNFusedMoEMethod) and moe.moe_method.packed is None
     moe.w13_weight.data.copy_(w13)
     moe.w2_weight.data.copy_(w2)
@@ -165,7 +165,7 @@ def test_quantized_experts_equal_their_dequantized_weights(method):
     quant = plugins.get_registry("quantization_methods").load(method)()
     w13, w2 = _weights(8)
     with model_build_context(BuildContext(TorchRefBackend, quant_method=quant, ops=CpuPlatform.get_ops())):
-        moe = FusedMoE(E, 2, H, I)
+        moe = FusedMoE(E, 2, H, FF)
     moe.w13_weight.data.copy_(w13)
     moe.w2_weight.data.copy_(w2)
     moe.process_weights_after_loading()
@@ -190,4 +190,4 @@ def test_a_method_without_moe_support_is_refused_by_name():
     quant = plugins.get_registry("quantization_methods").load("int4")()
     with model_build_context(BuildContext(TorchRefBackend, quant_method=quant)):
         with pytest.raises(NotImplementedError, match="mlp.experts: quantization method Int4Config does not quantize MoE experts"):
-            FusedMoE(E, 2, H, I, prefix="mlp.experts")
+            FusedMoE(E, 2, H, FF, prefix="mlp.experts")

@@ -142,7 +142,7 @@ def test_mixed_model_gets_a_backend_per_layer_kind_and_decodes_like_its_referenc
     assert llm.get_stats()["kv_blocks_total"] == budget // (BLOCK_SIZE * 2 * (mha_bytes + mla_bytes))
 
     params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=5)
-    for rerun in range(2):  # the second run hits the prefix cache
+    for _ in range(2):  # the second run hits the prefix cache
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         for out, (ref, scores) in zip(outputs, refs):
             assert_greedy_close(out.outputs[0].token_ids, out.outputs[0].logprobs, ref, scores)

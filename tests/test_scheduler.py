@@ -28,7 +28,7 @@ def _req(i, n, priority=0, arrival=None, max_tokens=8):
 def _run_step(s, token=7):
     out = s.schedule()
     sampled = {}
-    for rid, n in out.num_scheduled_tokens.items():
+    for rid in out.num_scheduled_tokens:
         req = s.requests[rid]
         if req.num_computed_tokens >= req.num_tokens:
             sampled[rid] = [token]

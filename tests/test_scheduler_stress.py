@@ -205,7 +205,7 @@ def run_case(seed: int) -> None:
     total = rng.randint(1, 24)
     requests: dict[str, Request] = {}
     p_fail, p_abort = rng.choice([0.0, 0.05]), rng.choice([0.0, 0.05])
-    for step in range(MAX_STEPS):
+    for _ in range(MAX_STEPS):
         while len(requests) < total and rng.random() < 0.5:
             req = new_request(len(requests))
             requests[req.request_id] = req
