@@ -5,9 +5,12 @@ tokens, padded batch sizes included."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from conftest import make_tiny_checkpoint
 from tokenmill import LLM, SamplingParams
+from tokenmill.config import EngineConfig
+from tokenmill.interfaces.decode_graph import DecodeGraphRunner
 from tokenmill.platforms.cpu_graph import CpuGraphRunner
 
 ENGINE = dict(block_size=8, max_model_len=256, num_kv_blocks=128, enable_prefix_caching=False)
@@ -178,3 +181,8 @@ def test_an_eagle3_target_is_captured_with_its_residual_streams(tmp_path, replay
     for n in (1, 2):
         assert generate(llm, n) == generate(eager, n)
     assert any(query == 3 for _, query in replayed_steps)
+
+
+def test_an_unresolved_config_is_refused_by_name():
+    with pytest.raises(ValueError, match="max_model_len is None"):
+        DecodeGraphRunner.create(EngineConfig(), torch.nn.Module(), None, 4, torch.device("cpu"))
