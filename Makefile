@@ -1,6 +1,6 @@
 PYTHON ?= python3
 
-.PHONY: install install-test demo test test-fast
+.PHONY: install install-test demo lint test test-fast
 
 # Runtime dependencies only.
 install:
@@ -13,9 +13,13 @@ install-test:
 demo: install
 	$(PYTHON) -m tokenmill chat "What is the capital of France?" --max-tokens 48
 
+# ruff's lint rules are in pyproject.toml ([tool.ruff.lint]).
+lint:
+	$(PYTHON) -m ruff check .
+
 # --fail-on-skip: a skipped test fails the run unless it is marked gpu (tests/conftest.py).
-test: install-test
+test: install-test lint
 	$(PYTHON) -m pytest -q --fail-on-skip
 
-test-fast: install-test
+test-fast: install-test lint
 	$(PYTHON) -m pytest -q --fail-on-skip -m "not slow"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -49,13 +50,13 @@ def main() -> None:
             w, x = torch.randn(n, k), torch.randn(rows, k)
             packed = torch.ops.mkldnn._reorder_linear_weight(w)
             gflop = 2 * rows * n * k / 1e9
-            mkl = gflop / best_time(lambda: F.linear(x, w), args.repeats)
+            mkl = gflop / best_time(partial(F.linear, x, w), args.repeats)
             dnn = gflop / best_time(
-                lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""), args.repeats
+                partial(torch.ops.mkldnn._linear_pointwise, x, packed, None, "none", [], ""), args.repeats
             )
             q, scale = quantize_int8(w)
             panels = pack_panels(q)
-            w8a8 = gflop / best_time(lambda: cpu_quant.w8a8_linear(x, panels, scale, None), args.repeats)
+            w8a8 = gflop / best_time(partial(cpu_quant.w8a8_linear, x, panels, scale, None), args.repeats)
             print(
                 f"rows {rows:5d} {name:8s} F.linear {mkl:6.1f}  oneDNN packed {dnn:6.1f} GFLOP/s"
                 f"  w8a8 {w8a8:6.1f} GOP/s",

@@ -1,5 +1,5 @@
 """llama.cpp's teacher-forced next-token predictions on the default model's GGUF file, written
-to ``tests/gguf_llamacpp_tokens.json`` for ``tests/test_gguf_model.py``.
+to ``tests/support/gguf_llamacpp_tokens.json`` for ``tests/quant/test_gguf_model.py``.
 
 For each prompt, llama.cpp continues greedily for 32 tokens; then, over prompt + continuation
 in one batch, its argmax at each continuation position is recorded. The test feeds the same
@@ -38,7 +38,7 @@ PROMPTS = [
     "Photosynthesis is the process by which",
     "<|im_start|>user\nWhat is 12 times 7?<|im_end|>\n<|im_start|>assistant\n",
 ]
-OUT = Path(__file__).resolve().parents[1] / "tests" / "gguf_llamacpp_tokens.json"
+OUT = Path(__file__).resolve().parents[1] / "tests" / "support" / "gguf_llamacpp_tokens.json"
 
 
 def default_gguf() -> Path:

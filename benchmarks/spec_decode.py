@@ -170,7 +170,7 @@ def main() -> None:
         results: dict[str, list[float]] = {name: [] for name in engines}
         accept: dict[str, tuple[int, int, int]] = {}
         positions: dict[str, list[int]] = {}
-        for name, llm in engines.items():
+        for llm in engines.values():
             _run(llm, _prompts(llm, 1), SamplingParams(temperature=0, max_tokens=8))
         for _ in range(args.repeats):
             for name, llm in engines.items():

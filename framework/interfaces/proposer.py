@@ -169,7 +169,7 @@ class Proposer(ABC):
         self.config = config
         self.device = device
 
-    def load_model(self, target: nn.Module, build_ctx: BuildContext) -> None:
+    def load_model(self, target: nn.Module, build_ctx: BuildContext) -> None:  # noqa: B027 (optional)
         """Load or attach the draft model (a no-op for model-free methods)."""
 
     def attention_layers(self) -> dict[str, nn.Module]:

@@ -25,7 +25,7 @@ class LinearMethod(ABC):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         ...
 
-    def process_weights_after_loading(self, layer: nn.Module) -> None:
+    def process_weights_after_loading(self, layer: nn.Module) -> None:  # noqa: B027 (optional)
         """Repack weights once all are loaded (transpose, quantize, ...)."""
 
     def dequantize(self, layer: nn.Module) -> torch.Tensor:
