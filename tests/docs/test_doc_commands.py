@@ -64,6 +64,7 @@ NOT_RUN = {
     "tokenmill serve --port 8000 --kv-cache-memory-bytes": "parsed only: the first line of the vllm example",
     "tokenmill serve --port 8000 &": "parsed only: the first line of the lm-eval example",
     "tokenmill bench throughput": "parsed only: the documented sizes take minutes; tests/e2e/test_progress.py runs it on a tiny model",
+    "TOKENMILL_SCREENSHOT_DIR=": "the browser tests themselves, which the suite runs (tests/server/test_web_ui_browser.py)",
     "tokenmill bench latency": "parsed only: the documented sizes take minutes; tests/e2e/test_progress.py runs it on a tiny model",
 }
 """Shell commands not run as written (prefix -> why, and where they are exercised)."""
