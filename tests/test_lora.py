@@ -106,11 +106,12 @@ def test_mixed_batch_gives_each_request_its_solo_tokens(llm, adapters, solo):
 
 def test_fewer_slots_than_adapters_chunked_prefill_and_preemption(adapters, solo):
     """max_loras=2 with four adapters' worth of requests (the third adapter waits), a small
-    token budget (prompts are chunked) and a small KV cache (requests are preempted)."""
+    token budget (prompts are chunked) and a KV cache of 12 blocks of 8 tokens, which the
+    requests outgrow (they are preempted)."""
     pairs, loras = _interleaved(adapters)
     llm = LLM(
         enable_lora=True, max_loras=2, max_cpu_loras=2, max_lora_rank=16,
-        num_kv_blocks=12, max_num_batched_tokens=40, max_model_len=192,
+        block_size=8, num_kv_blocks=12, max_num_batched_tokens=40, max_model_len=96,
     )
     engine = llm.llm_engine
     for i, ((prompt, _), lora) in enumerate(zip(pairs, loras)):

@@ -52,10 +52,12 @@ class LoRAManager:
                 self.mapping, config.max_loras, config.max_lora_rank, in_features, widths, self.dtype, device
             )
             self.layers.append((module.lora, [f"{prefix}.{s}" for s in slices]))
-        if not self.layers:
+        num_layers = config.hf_config.num_hidden_layers
+        if len(self.layers) != len(PACKED_MODULES) * num_layers:
             raise ValueError(
-                f"enable_lora: model {type(model).__name__} has no layers an adapter can target "
-                f"(LoRA covers the Llama family's attention and MLP projections)"
+                f"enable_lora: model {type(model).__name__} does not have the Llama family's "
+                f"qkv_proj, o_proj, gate_up_proj and down_proj in each of its {num_layers} "
+                f"layers; LoRA covers those projections only"
             )
         self.known: dict[int, LoRARequest] = {}
         self.host: OrderedDict[int, LoRAWeights] = OrderedDict()
