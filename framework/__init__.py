@@ -13,6 +13,7 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from tokenmill.entrypoints.llm import LLM
+    from tokenmill.lora.request import LoRARequest
     from tokenmill.plugins import ModelRegistry
     from tokenmill.outputs import CompletionOutput, RequestOutput
     from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
@@ -24,6 +25,7 @@ _LAZY = {
     "RequestOutput": "tokenmill.outputs",
     "CompletionOutput": "tokenmill.outputs",
     "ModelRegistry": "tokenmill.plugins",
+    "LoRARequest": "tokenmill.lora.request",
 }
 
 
@@ -37,6 +39,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "LLM",
+    "LoRARequest",
     "CompletionOutput",
     "ModelRegistry",
     "RequestOutput",

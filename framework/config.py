@@ -118,7 +118,37 @@ class EngineConfig(EngineArgs):
                 f"(tensor_parallel_size={self.tensor_parallel_size}); leave "
                 f"speculative_config at None"
             )
+        self._check_lora()
         self._refuse_missing_features()
+
+    def _check_lora(self) -> None:
+        """LoRA settings need ``enable_lora``; LoRA refuses what it does not combine with."""
+        defaults = {f.name: f.default for f in fields(self)}
+        if not self.enable_lora:
+            for name in ("max_loras", "max_lora_rank", "max_cpu_loras"):
+                if getattr(self, name) != defaults[name]:
+                    raise ValueError(f"{name}={getattr(self, name)!r} needs enable_lora=True")
+            return
+        for name in ("max_loras", "max_lora_rank"):
+            _positive_int(name, getattr(self, name))
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        _positive_int("max_cpu_loras", self.max_cpu_loras)
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras={self.max_cpu_loras} must be at least max_loras={self.max_loras}"
+            )
+        if self.tensor_parallel_size > 1:
+            raise ValueError(
+                f"enable_lora with tensor parallelism is not implemented yet "
+                f"(tensor_parallel_size={self.tensor_parallel_size})"
+            )
+        if self.speculative is not None and self.speculative.method != "ngram":
+            raise ValueError(
+                f"enable_lora with speculative decoding by {self.speculative.method!r} is not "
+                f"implemented (its draft model would run without the adapters); use the ngram "
+                f"method or leave speculative_config at None"
+            )
 
     def _refuse_missing_features(self) -> None:
         defaults = {f.name: f.default for f in fields(self)}

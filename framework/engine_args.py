@@ -136,6 +136,16 @@ class EngineArgs:
         "bias and temperature), processed_logprobs (of the logits sampling draws from), "
         "raw_logits or processed_logits",
     )
+    enable_lora: bool = _arg(
+        False,
+        "serve LoRA adapters (PEFT checkpoints) over the base model, several per batch; "
+        "requests name theirs with a LoRARequest",
+    )
+    max_loras: int = _arg(1, "with enable_lora: most distinct adapters in one engine step (slots)")
+    max_lora_rank: int = _arg(16, "with enable_lora: the highest adapter rank (r) accepted")
+    max_cpu_loras: int | None = _arg(
+        None, "with enable_lora: adapters kept read in host memory (LRU); None: max_loras"
+    )
     gpu_memory_utilization: float | None = _arg(
         None,
         f"fraction of GPU memory for the engine; None: {DEFAULT_GPU_MEMORY_UTILIZATION} on GPUs "

@@ -143,6 +143,12 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
         "key 'tokenmill serve' requires as 'Authorization: Bearer KEY' on /v1 when --api-key "
         "is not given; unset: no key",
     ),
+    "TOKENMILL_ALLOW_RUNTIME_LORA_UPDATING": EnvVar(
+        "bool",
+        False,
+        "'tokenmill serve --enable-lora' opens POST /v1/load_lora_adapter and "
+        "/v1/unload_lora_adapter, which load adapters from the server's disk; off: no such routes",
+    ),
 }
 
 

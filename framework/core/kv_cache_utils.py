@@ -84,11 +84,17 @@ def get_hash_function(algo: PrefixCachingHashAlgo) -> HashFunction:
 
 
 def request_extra_keys(request: Request, block_index: int) -> ExtraKeys | None:
-    """Keys besides the tokens that must match for a block to be shared. The salt goes into
-    the first block only: every later hash chains it."""
-    if block_index == 0 and request.cache_salt is not None:
-        return (("cache_salt", request.cache_salt),)
-    return None
+    """Keys besides the tokens that must match for a block to be shared: the cache salt and
+    the LoRA adapter (its id and name). They go into the first block only: every later hash
+    chains it."""
+    if block_index != 0:
+        return None
+    keys: list[tuple[str, str]] = []
+    if request.cache_salt is not None:
+        keys.append(("cache_salt", request.cache_salt))
+    if request.lora_request is not None:
+        keys.append(("lora", f"{request.lora_request.lora_int_id}:{request.lora_request.lora_name}"))
+    return tuple(keys) or None
 
 
 def make_block_hasher(block_size: int, algo: str = "sha256") -> Callable[[Request], None]:

@@ -7,6 +7,11 @@ the most recently arrived running request (or the lowest priority one) is preemp
 recompute. Waiting requests are admitted while budget, sequence slots and blocks (above the
 watermark) remain.
 
+With LoRA, the running requests use at most ``max_loras`` distinct adapters. A waiting request
+whose adapter would be one too many waits; behind it only requests of the base model are
+admitted (not even those of adapters already running), so the running adapters drain and the
+waiting one is admitted in its turn: no adapter starves.
+
 With speculative decoding a running request's target is ``num_tokens_with_spec``: its draft
 tokens join the step's budget, and its blocks include ``num_lookahead_tokens`` more slots for
 the proposer's own cache writes. Drafts the target rejects roll ``num_computed_tokens`` back.
@@ -39,6 +44,8 @@ class SchedulerConfig:
     num_lookahead_tokens: int = 0
     disable_by_batch_size: int = 0
     """Steps with at least this many running requests do not speculate; 0: never disabled."""
+    max_loras: int = 0
+    """Most distinct LoRA adapters among the running requests; 0: LoRA is off."""
 
     def __post_init__(self) -> None:
         if self.long_prefill_token_threshold > 0 and not self.enable_chunked_prefill:
@@ -170,8 +177,16 @@ class Scheduler:
         ``num_blocks - watermark_blocks``, and with nothing running any request that fits the
         empty cache is admitted, so the head of the queue can always make progress."""
         cfg = self.config
+        active = {r.lora_int_id for r in self.running} - {0}
+        lora_blocked = False
+        skipped: list[Request] = []
         while len(self.waiting) and budget > 0 and len(self.running) < cfg.max_num_seqs:
             req = self.waiting.peek()
+            lora_id = req.lora_int_id
+            if lora_id and (lora_blocked or (lora_id not in active and len(active) >= cfg.max_loras)):
+                lora_blocked = True
+                skipped.append(self.waiting.pop())
+                continue
             hits, num_hit_tokens = self.kv.get_computed_blocks(req)
             num_new = self._num_new_tokens(req, num_hit_tokens, budget)
             full = req.num_tokens - num_hit_tokens
@@ -191,6 +206,8 @@ class Scheduler:
             self.kv.record_prefix_query(req, num_hit_tokens)
             self.waiting.pop()
             self.running.append(req)
+            if lora_id:
+                active.add(lora_id)
             req.num_computed_tokens = num_hit_tokens
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit_tokens
@@ -211,9 +228,19 @@ class Scheduler:
                         block_ids,
                         num_hit_tokens,
                         req.eos_token_id,
+                        req.lora_request,
                     )
                 )
             req.status = RequestStatus.RUNNING
+        for req in reversed(skipped):
+            self.waiting.prepend(req)
+
+    def lora_adapters(self) -> tuple[set[str], set[str]]:
+        """The names of the adapters of the running requests and of the waiting ones."""
+        def names(requests: Iterable[Request]) -> set[str]:
+            return {r.lora_request.lora_name for r in requests if r.lora_request is not None}
+
+        return names(self.running), names(self.waiting)
 
     def _pick_victim(self) -> Request:
         """The lowest-priority (highest value, latest) request, or the latest under FCFS."""

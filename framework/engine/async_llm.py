@@ -22,6 +22,7 @@ from tokenmill.engine.dp_client import DPClient
 from tokenmill.engine.engine_core import EngineCoreOutputs
 from tokenmill.engine.input_processor import InputProcessor, PromptType
 from tokenmill.engine.output_processor import OutputProcessor, RequestOutputKind
+from tokenmill.lora.request import LoRARequest
 from tokenmill.model_loader.tokenizer import load_tokenizer
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
@@ -202,6 +203,7 @@ class AsyncLLM:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         output_kind: RequestOutputKind = RequestOutputKind.DELTA,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Validate and queue a request; return the stream of its outputs.
 
@@ -209,13 +211,16 @@ class AsyncLLM:
         cannot receive) or a request id in use, ``QueueFullError`` when
         ``max_pending_requests`` are unfinished, and ``EngineDeadError`` after ``shutdown`` or
         once the engine core died; a request that raises leaves nothing behind. ``output_kind``
-        is DELTA (for streaming) or FINAL_ONLY.
+        is DELTA (for streaming) or FINAL_ONLY. ``lora_request`` (with ``enable_lora``) is the
+        adapter to generate with; one the engine cannot load raises ``ValueError``.
         """
         if output_kind is RequestOutputKind.CUMULATIVE:
             raise ValueError("AsyncLLM streams DELTA or FINAL_ONLY outputs")
         request_id = request_id or f"req-{next(self._ids)}"
         self._check_admissible(request_id)
-        request = await self.run_off_loop(self.input_processor.process, request_id, prompt, params)
+        request = await self.run_off_loop(
+            self.input_processor.process, request_id, prompt, params, lora_request=lora_request
+        )
         self._check_admissible(request_id)
         self._loop = asyncio.get_running_loop()
         self.output_processor.add_request(request, output_kind)
@@ -252,10 +257,11 @@ class AsyncLLM:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         output_kind: RequestOutputKind = RequestOutputKind.DELTA,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Add a request and yield its outputs; a caller that stops early (breaks, is
         cancelled, or closes the generator) aborts the request, which frees its KV blocks."""
-        stream = await self.add_request(prompt, params, request_id, output_kind)
+        stream = await self.add_request(prompt, params, request_id, output_kind, lora_request)
         try:
             async for output in stream:
                 yield output

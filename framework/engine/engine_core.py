@@ -76,6 +76,7 @@ class EngineCore:
                 num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
                 num_lookahead_tokens=self.executor.worker_info.num_lookahead_tokens,
                 disable_by_batch_size=spec.disable_by_batch_size if spec else 0,
+                max_loras=config.max_loras if config.enable_lora else 0,
             ),
             self.kv_cache_manager,
         )
@@ -137,6 +138,7 @@ class EngineCore:
             arrival_time=request.arrival_time,
             priority=request.priority,
             cache_salt=request.cache_salt,
+            lora_request=request.lora_request,
             block_hasher=self.block_hasher,
         )
         if req.sampling_params.structured_outputs is None:
@@ -274,8 +276,13 @@ class EngineCore:
         """Scheduler and KV-cache counters, and speculative decoding's when it is on."""
         kv = self.kv_cache_manager
         spec = self.scheduler.spec_stats.as_dict() if self.config.speculative else {}
+        lora = {}
+        if self.config.enable_lora:
+            running, waiting = self.scheduler.lora_adapters()
+            lora = {"num_running_loras": len(running), "num_waiting_loras": len(waiting)}
         return {
             **spec,
+            **lora,
             "num_running_requests": len(self.scheduler.running),
             "num_waiting_requests": len(self.scheduler.waiting) + len(self.waiting_for_fsm),
             "num_requests_received": self.num_requests_received,

@@ -11,6 +11,8 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from tokenmill.config import EngineConfig
+from tokenmill.lora.adapter import load_adapter
+from tokenmill.lora.request import LoRARequest
 from tokenmill.model_loader.loader import load_generation_config
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.structured_output import validate_structured_outputs
@@ -31,6 +33,7 @@ class EngineCoreRequest:
     arrival_time: float
     priority: int = 0
     cache_salt: str | None = None
+    lora_request: LoRARequest | None = None
 
 
 @dataclass
@@ -65,6 +68,9 @@ class InputProcessor:
         self.vocab_size = config.hf_config.vocab_size
         self.eos_token_id = eos_token_id(tokenizer, config.hf_config)
         self.generation_config = load_generation_config(config.model_path, config.hf_config)
+        self.config = config
+        self.adapters: dict[int, LoRARequest] = {}
+        """The adapters checked so far, by ``lora_int_id``."""
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """Return the prompt text (if any) and its token ids, or raise ``ValueError`` (also for
@@ -112,10 +118,12 @@ class InputProcessor:
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> ProcessedRequest:
         """Validate and tokenize ``prompt`` and prepare ``params`` (a copy, with the
         checkpoint's extra EOS ids); ``n > 1`` becomes n child requests. Raises
-        ``ValueError``."""
+        ``ValueError``, also for an adapter the engine cannot load."""
+        self.check_lora(lora_request)
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError("sampling_params must be a SamplingParams")
@@ -147,10 +155,40 @@ class InputProcessor:
                 arrival_time,
                 priority,
                 cache_salt,
+                lora_request,
             )
             for i, child_params in enumerate(_child_params(params))
         ]
         return ProcessedRequest(request_id, text, ids, params, arrival_time, children)
+
+
+    def check_lora(self, lora_request: LoRARequest | None) -> None:
+        """Refuse an adapter the engine cannot serve (``ValueError`` naming it): LoRA off, an
+        id already naming another adapter, or a checkpoint ``load_adapter`` refuses. Each
+        adapter's checkpoint is read once."""
+        if lora_request is None:
+            return
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
+        if not self.config.enable_lora:
+            raise ValueError(
+                f"LoRA adapter {lora_request.lora_name!r} requested but the engine runs with "
+                f"enable_lora=False"
+            )
+        known = self.adapters.get(lora_request.lora_int_id)
+        if known == lora_request:
+            return
+        if known is not None:
+            raise ValueError(
+                f"LoRA adapter {lora_request.lora_name!r}: lora_int_id {lora_request.lora_int_id} "
+                f"already names adapter {known.lora_name!r} ({known.lora_path})"
+            )
+        load_adapter(lora_request, self.config.hf_config, self.config.max_lora_rank)
+        self.adapters[lora_request.lora_int_id] = lora_request
+
+    def forget_lora(self, lora_int_id: int) -> None:
+        """Let ``lora_int_id`` name another adapter from now on (an unloaded one)."""
+        self.adapters.pop(lora_int_id, None)
 
 
 def prompt_cache_salt(prompt: PromptType) -> str | None:

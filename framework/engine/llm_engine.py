@@ -17,6 +17,7 @@ from tokenmill.engine.input_processor import (
     PromptType,
 )
 from tokenmill.engine.output_processor import OutputProcessor, RequestOutputKind
+from tokenmill.lora.request import LoRARequest
 from tokenmill.model_loader.tokenizer import load_tokenizer
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
@@ -68,13 +69,16 @@ class LLMEngine:
         arrival_time: float | None = None,
         priority: int = 0,
         output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Validate, tokenize and queue a request; ``n > 1`` runs as n child requests. A
         ``ValueError`` leaves nothing registered.
 
         ``output_kind`` chooses what ``step()`` reports for it: everything so far, only what
         is new (for streaming), or one output at the end."""
-        processed = self.input_processor.process(request_id, prompt, params, arrival_time, priority)
+        processed = self.input_processor.process(
+            request_id, prompt, params, arrival_time, priority, lora_request
+        )
         self.add_processed_request(processed, output_kind)
 
     def add_processed_request(

@@ -10,6 +10,7 @@ from tqdm import tqdm
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine, PromptType
+from tokenmill.lora.request import LoRARequest
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
@@ -34,12 +35,15 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate completions for every prompt; outputs come back in prompt order.
 
         ``priority`` (one per prompt, lower first) matters with ``scheduling_policy="priority"``.
         A prompt dict may carry a ``cache_salt``: only prompts with equal salts share
         prefix-cache blocks, which keeps tenants of one engine apart.
+        ``lora_request`` (with ``enable_lora``) is the adapter of every prompt, or a list
+        with one adapter (or None: the base model) per prompt.
         Invalid prompts or parameters raise ``ValueError`` (``TypeError`` for a
         ``sampling_params`` of the wrong type) before anything runs."""
         if isinstance(prompts, (str, dict)):
@@ -65,10 +69,18 @@ class LLM:
         priorities = list(priority) if priority is not None else [0] * len(prompts)
         if len(priorities) != len(prompts):
             raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(f"got {len(loras)} lora_requests for {len(prompts)} prompts")
         engine = self.llm_engine
         requests = [
-            engine.input_processor.process(engine.next_request_id(), prompt, params, priority=prio)
-            for prompt, params, prio in zip(prompts, params_list, priorities)
+            engine.input_processor.process(
+                engine.next_request_id(), prompt, params, priority=prio, lora_request=lora
+            )
+            for prompt, params, prio, lora in zip(prompts, params_list, priorities, loras)
         ]
         for request in requests:
             engine.add_processed_request(request)

@@ -59,6 +59,14 @@ def register_subcommand(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="do not serve the browser UI (the chat page at / and the engine page at /engine)",
     )
+    parser.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        metavar="NAME=PATH",
+        help="LoRA adapters (PEFT directories) served as models of their own, each chosen by a "
+        "request's model; needs --enable-lora",
+    )
     parser.add_argument("--uvicorn-log-level", default="info", help="uvicorn's log level")
     add_engine_args(parser)
     parser.set_defaults(func=run)
@@ -84,9 +92,14 @@ def make_app(args: argparse.Namespace) -> FastAPI:
         except ValueError as e:
             raise SystemExit(f"error: --tool-call-parser: {e}") from None
 
+    lora_modules = parse_lora_modules(args.lora_modules or [])
+    if lora_modules and not args.enable_lora:
+        raise SystemExit("error: --lora-modules needs --enable-lora")
+
     from tokenmill.default_model import DEFAULT_MODEL_NAME
     from tokenmill.engine.async_llm import AsyncLLM
     from tokenmill.entrypoints.openai.api_server import build_app
+    from tokenmill.entrypoints.openai.errors import OpenAIError
 
     limit = (
         {}
@@ -97,10 +110,29 @@ def make_app(args: argparse.Namespace) -> FastAPI:
         **limit, engine_process=args.engine_process, **engine_kwargs(args)
     )
     names = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
-    return build_app(
-        engine,
-        names,
-        args.api_key or envs.TOKENMILL_API_KEY,
-        args.tool_call_parser,
-        web_ui=not args.disable_web_ui,
-    )
+    try:
+        return build_app(
+            engine,
+            names,
+            args.api_key or envs.TOKENMILL_API_KEY,
+            args.tool_call_parser,
+            lora_modules,
+            web_ui=not args.disable_web_ui,
+        )
+    except OpenAIError as e:
+        engine.shutdown()
+        raise SystemExit(f"error: --lora-modules: {e}") from None
+
+
+def parse_lora_modules(items: list[str]) -> dict[str, str]:
+    """``--lora-modules`` values ``name=path`` as a dict; ``SystemExit`` for a malformed or
+    repeated name."""
+    modules: dict[str, str] = {}
+    for item in items:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise SystemExit(f"error: --lora-modules: expected NAME=PATH, got {item!r}")
+        if name in modules:
+            raise SystemExit(f"error: --lora-modules: {name!r} is given twice")
+        modules[name] = path
+    return modules

@@ -107,12 +107,16 @@ class DecodeGraphRunner:
     ) -> DecodeGraphRunner | None:
         """The platform's runner (``Platform.decode_graph_runner``) with its sizes captured, or
         None where graphs don't apply: no runner on this platform, ``enforce_eager``,
+        ``enable_lora`` (the slot mapping is set outside the recorded calls),
         ``calculate_kv_scales`` (a capture's dummy batch would be the step the scales come
         from), a backend whose builder cannot be captured, or a runner that captured nothing."""
         if config.max_model_len is None:
             raise ValueError("decode graphs need a resolved config: max_model_len is None")
         runner_cls = config.platform_cls.decode_graph_runner(config)
         if runner_cls is None or config.enforce_eager:
+            return None
+        if config.enable_lora:
+            logger.info("decode graphs off: LoRA layers change their inputs every step")
             return None
         if config.calculate_kv_scales:
             logger.info("decode graphs off: calculate_kv_scales takes the scales from the first real step")

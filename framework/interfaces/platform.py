@@ -23,12 +23,16 @@ OP_NAMES = (
     "embedding",
     "unquantized_linear",
     "unquantized_fused_moe",
+    "lora_apply",
 )
 """The ops a platform may replace: one per ``CustomOp`` layer (``tokenmill.layers``);
 ``unquantized_linear``, the :class:`~tokenmill.interfaces.quantization.LinearMethod` class
 (made with no arguments) of the linear layers and LM head that no quantization method takes;
-and ``unquantized_fused_moe``, the
-:class:`~tokenmill.layers.fused_moe.UnquantizedFusedMoEMethod` class of the MoE layers."""
+``unquantized_fused_moe``, the
+:class:`~tokenmill.layers.fused_moe.UnquantizedFusedMoEMethod` class of the MoE layers; and
+``lora_apply`` (a ``CustomOp`` layer too), the batched LoRA shrink and expand of
+:class:`~tokenmill.layers.lora.LoRAApply`: every token's own adapter added to a linear
+layer's output in one call."""
 
 
 class Platform:

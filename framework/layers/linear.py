@@ -24,6 +24,7 @@ from tokenmill.distributed.parallel_state import (
 )
 from tokenmill.interfaces.quantization import LinearMethod
 from tokenmill.layers.build_context import current_build_context, current_ops
+from tokenmill.layers.lora import LoRAApply
 
 
 def set_weight_attrs(param: torch.Tensor, attrs: dict[str, Any]) -> None:
@@ -101,6 +102,8 @@ class LinearBase(nn.Module):
 
     ``linear_method`` is the layer's :class:`LinearMethod`; once the checkpoint is in, the
     model loader calls the layer's :meth:`process_weights_after_loading`, which hands it on.
+    ``lora``, set by the LoRA manager with ``enable_lora``, adds each token's adapter to the
+    column- and row-parallel layers' output (before a row-parallel layer's all-reduce).
     """
 
     def __init__(self, input_size: int, output_size: int, prefix: str = "", quantize: bool = True) -> None:
@@ -116,6 +119,7 @@ class LinearBase(nn.Module):
         if ctx.quant_method is not None and quantize:
             method = ctx.quant_method.get_linear_method(self, prefix)
         self.linear_method: LinearMethod = method or UnquantizedLinearMethod.for_platform()
+        self.lora: LoRAApply | None = None
 
     def process_weights_after_loading(self) -> None:
         self.linear_method.process_weights_after_loading(self)
@@ -213,6 +217,8 @@ class ColumnParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.linear_method.apply(self, x, self.bias)
+        if self.lora is not None:
+            self.lora(x, out)
         if self.gather_output and self.tp_size > 1:
             out = tensor_model_parallel_all_gather(out, dim=-1)
         return out
@@ -356,6 +362,8 @@ class RowParallelLinear(LinearBase):
             x = x.chunk(self.tp_size, dim=-1)[self.tp_rank]
         bias = self.bias if self.tp_rank == 0 else None
         out = self.linear_method.apply(self, x, bias)
+        if self.lora is not None:
+            self.lora(x, out)
         if self.reduce_results and self.tp_size > 1:
             out = tensor_model_parallel_all_reduce(out)
         return out

@@ -27,6 +27,8 @@ class CachedRequestState:
     sampling_params: SamplingParams
     min_tokens_suppress: list[int]
     """Token ids forbidden until ``min_tokens`` outputs exist: EOS and ``stop_token_ids``."""
+    lora_int_id: int = 0
+    """The request's LoRA adapter, 0 for the base model."""
 
 
 class InputBatch:
@@ -60,6 +62,7 @@ class InputBatch:
         self.repetition_penalty = np.ones(max_num_reqs, dtype=np.float32)
         self.uses_penalties = np.zeros(max_num_reqs, dtype=bool)
         self.uses_allowed = np.zeros(max_num_reqs, dtype=bool)
+        self.lora_int_id = np.zeros(max_num_reqs, dtype=np.int64)
         self.output_token_counts: torch.Tensor | None = None
         """``[max_reqs, V]`` int32 counts of each row's output tokens (penalty rows only)."""
         self.prompt_token_mask: torch.Tensor | None = None
@@ -78,6 +81,7 @@ class InputBatch:
         num_computed_tokens: int,
         params: SamplingParams,
         min_tokens_suppress: list[int],
+        lora_int_id: int = 0,
     ) -> CachedRequestState:
         """Fill a free row for the request; the row is taken only once that succeeded."""
         row = self._free_rows[-1]
@@ -104,8 +108,9 @@ class InputBatch:
                 self.disallowed_mask = self._vocab_tensor(torch.bool)
             self.disallowed_mask[row] = True
             self.disallowed_mask[row, self._ids(params.allowed_token_ids)] = False
+        self.lora_int_id[row] = lora_int_id
         state = CachedRequestState(
-            req_id, row, num_prompt_tokens, params, min_tokens_suppress
+            req_id, row, num_prompt_tokens, params, min_tokens_suppress, lora_int_id
         )
         self._free_rows.pop()
         if params.seed is not None:

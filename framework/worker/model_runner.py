@@ -28,7 +28,8 @@ from tokenmill.interfaces.attention import CommonAttentionMetadata
 from tokenmill.interfaces.kv_cache_spec import KVCacheSpec
 from tokenmill.interfaces.proposer import FlatInputs, ProposalBatch, Proposer, TargetStep
 from tokenmill.layers.attention import Attention
-from tokenmill.layers.build_context import BuildContext
+from tokenmill.layers.build_context import BuildContext, model_build_context
+from tokenmill.lora.manager import LoRAManager
 from tokenmill.layers.mla_attention import MLAAttention
 from tokenmill.logprobs import LogprobsLists
 from tokenmill.model_loader.loader import load_model
@@ -94,6 +95,7 @@ class ModelRunner:
         self.batch: InputBatch | None = None
         self.metadata_builder: LayerMetadataBuilder | None = None
         self.graphs: DecodeGraphRunner | None = None
+        self.lora_manager: LoRAManager | None = None
         self.proposer: Proposer | None = None
         self.draft_probs: dict[str, torch.Tensor] = {}
         """``[k, V]`` draft distributions of the drafts proposed after the last step, per
@@ -113,6 +115,9 @@ class ModelRunner:
             self.config.calculate_kv_scales,
         )
         self.model = load_model(self.config.weights_path, self.config.hf_config, ctx, self.device)
+        if self.config.enable_lora:
+            with model_build_context(ctx):
+                self.lora_manager = LoRAManager(self.model, self.config, self.device)
         self.prompt_logprobs = PromptLogprobs(self.model.compute_logits)
         if self.proposer is not None:
             self.proposer.load_model(self.model, ctx)
@@ -173,6 +178,8 @@ class ModelRunner:
                 batch.remove(req_id)
         for new in out.scheduled_new_reqs:
             params = new.sampling_params
+            if new.lora_request is not None:
+                self.lora_manager.add_adapter(new.lora_request)
             batch.add(
                 new.req_id,
                 new.prompt_token_ids,
@@ -181,6 +188,7 @@ class ModelRunner:
                 new.num_computed_tokens,
                 params,
                 _min_tokens_suppress(params, new.eos_token_id),
+                new.lora_request.lora_int_id if new.lora_request is not None else 0,
             )
         cached = out.scheduled_cached_reqs
         for req_id, resumed, block_ids, num_computed in zip(
@@ -197,6 +205,7 @@ class ModelRunner:
                     num_computed,
                     old.sampling_params,
                     old.min_tokens_suppress,
+                    old.lora_int_id,
                 )
                 continue
             state = batch.requests[req_id]
@@ -260,6 +269,8 @@ class ModelRunner:
         input_ids_t, positions_t, common, cu = self._flatten(rows, num_computed, num_sched)
         seq_lens = num_computed + num_sched
         batch.num_computed_tokens[rows] = seq_lens
+        if self.lora_manager is not None:
+            self.lora_manager.set_step(np.repeat(batch.lora_int_id[rows], num_sched))
         hidden = self.graphs.run(input_ids_t, positions_t, common) if self.graphs else None
         if hidden is None:
             attn_metadata = self.metadata_builder.build(common)

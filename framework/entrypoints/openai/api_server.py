@@ -16,6 +16,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from tokenmill import envs
 from tokenmill.engine.async_llm import AsyncLLM, EngineStalledError
 from tokenmill.engine.core_client import EngineDeadError
 from tokenmill.entrypoints.openai.errors import (
@@ -30,13 +31,16 @@ from tokenmill.entrypoints.openai.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
+    LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
+    UnloadLoRAAdapterRequest,
 )
 from tokenmill.entrypoints.openai.serving_chat import OpenAIServingChat
 from tokenmill.entrypoints.openai.serving_completions import OpenAIServingCompletion
+from tokenmill.entrypoints.openai.serving_models import ServedModels
 from tokenmill.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from tokenmill.entrypoints.openai.tool_calls import load_tool_parser
 from tokenmill.entrypoints.web_ui import add_web_ui
@@ -97,19 +101,25 @@ def build_app(
     served_model_names: list[str],
     api_key: str | None = None,
     tool_call_parser: str | None = None,
+    lora_modules: dict[str, str] | None = None,
     web_ui: bool = True,
 ) -> FastAPI:
     """The FastAPI app serving ``engine`` under ``served_model_names`` (the first is the one
     responses name); it shuts the engine down when the app stops. ``tool_call_parser``: the
     registered tool parser that ``tool_choice="auto"`` uses; None refuses "auto".
+    ``lora_modules`` (name -> adapter directory, with ``enable_lora``) are served as models
+    of their own; an adapter the engine refuses raises ``OpenAIError``. With
+    ``TOKENMILL_ALLOW_RUNTIME_LORA_UPDATING`` adapters load and unload at run time too.
     ``web_ui``: serve the browser pages at ``/`` and ``/engine`` (see ``web_ui``)."""
+    models = ServedModels(engine, served_model_names)
+    for name, path in (lora_modules or {}).items():
+        models.add_adapter(name, path)
     metrics = PrometheusMetrics(engine.get_stats, engine.get_engine_stats, served_model_names[0])
     engine.stat_loggers.append(metrics)
-    completions = OpenAIServingCompletion(engine, served_model_names)
+    completions = OpenAIServingCompletion(engine, models)
     parser = load_tool_parser(tool_call_parser) if tool_call_parser else None
-    chat = OpenAIServingChat(engine, served_model_names, parser)
-    tokenization = OpenAIServingTokenization(engine, served_model_names)
-    root = engine.config.model_path
+    chat = OpenAIServingChat(engine, models, parser)
+    tokenization = OpenAIServingTokenization(engine, models)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -148,18 +158,28 @@ def build_app(
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    def model_card(name: str) -> ModelCard:
-        return ModelCard(id=name, root=root, max_model_len=engine.max_model_len)
-
     @app.get("/v1/models")
     async def list_models() -> ModelList:
-        return ModelList(data=[model_card(name) for name in served_model_names])
+        return ModelList(data=models.cards())
 
     @app.get("/v1/models/{model:path}")
     async def retrieve_model(model: str) -> ModelCard:
-        if model not in served_model_names:
-            raise model_not_found(model)
-        return model_card(model)
+        for card in models.cards():
+            if card.id == model:
+                return card
+        raise model_not_found(model)
+
+    if envs.TOKENMILL_ALLOW_RUNTIME_LORA_UPDATING:
+
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> Response:
+            await models.load_adapter(body.lora_name, body.lora_path)
+            return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> Response:
+            models.unload_adapter(body.lora_name)
+            return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, raw: Request) -> Response:

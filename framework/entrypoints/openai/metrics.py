@@ -123,6 +123,11 @@ ENGINE_GAUGES = {
     "kv_blocks_total": ("kv_blocks_total", "KV-cache blocks in the pool."),
     "kv_blocks_free": ("kv_blocks_free", "KV-cache blocks free (cached or empty)."),
 }
+LORA_GAUGES = {
+    "num_running_loras": ("lora_adapters_running", "Distinct LoRA adapters of the running requests."),
+    "num_waiting_loras": ("lora_adapters_waiting", "Distinct LoRA adapters of the waiting requests."),
+}
+"""Exported when the engine runs with ``enable_lora``."""
 
 
 class EngineStatsCollector(Collector):
@@ -167,6 +172,9 @@ class EngineStatsCollector(Collector):
             yield per_pos
         for key, (name, doc) in ENGINE_GAUGES.items():
             yield self._per_engine(GaugeMetricFamily, name, doc, engines, key)
+        for key, (name, doc) in LORA_GAUGES.items():
+            if key in engines[0]:
+                yield self._per_engine(GaugeMetricFamily, name, doc, engines, key)
         usage = GaugeMetricFamily(
             "tokenmill:kv_cache_usage_perc",
             "Fraction of KV-cache blocks in use.",

@@ -133,6 +133,8 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "tokenmill"
     root: str | None = None
+    parent: str | None = None
+    """For a LoRA adapter, the base model's name; None for the base model."""
     max_model_len: int | None = None
 
 
@@ -529,3 +531,12 @@ class DetokenizeRequest(OpenAIModel):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
+
+
+class LoadLoRAAdapterRequest(OpenAIModel):
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(OpenAIModel):
+    lora_name: str

@@ -23,6 +23,7 @@ from tokenmill.entrypoints.openai.protocol import (
     UsageInfo,
 )
 from tokenmill.entrypoints.openai.serving_engine import OpenAIServing, usage_options
+from tokenmill.entrypoints.openai.serving_models import ServedModels
 from tokenmill.entrypoints.openai.structured_outputs import structured_outputs_of
 from tokenmill.entrypoints.openai.tool_calls import (
     ToolCallStream,
@@ -42,17 +43,17 @@ class OpenAIServingChat(OpenAIServing):
     def __init__(
         self,
         engine: AsyncLLM,
-        served_model_names: list[str],
+        models: ServedModels,
         tool_parser: type[ToolParser] | None = None,
     ) -> None:
-        super().__init__(engine, served_model_names)
+        super().__init__(engine, models)
         self.tool_parser = tool_parser
 
     async def create_chat_completion(
         self, request: ChatCompletionRequest
     ) -> ChatCompletionResponse | AsyncIterator[str]:
         """The response, or for ``stream`` the server-sent events; raises ``OpenAIError``."""
-        self.check_request(request)
+        lora_request = self.check_request(request)
         mode = tool_mode(request, self.tool_parser)
         parser = None
         if mode == "auto":
@@ -81,7 +82,7 @@ class OpenAIServingChat(OpenAIServing):
         )
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await self.start(
-            [(None, ids)], params, request_id, bool(request.stream), request.cache_salt
+            [(None, ids)], params, request_id, bool(request.stream), request.cache_salt, lora_request
         )
         if request.stream:
             return self._stream(request, request_id, len(ids), streams[0], mode, parser)
@@ -101,7 +102,7 @@ class OpenAIServingChat(OpenAIServing):
             )
         return ChatCompletionResponse(
             id=request_id,
-            model=self.model_name,
+            model=self.response_model(request),
             choices=choices,
             usage=UsageInfo.of(len(ids), num_generated, output.num_cached_tokens),
             prompt_logprobs=output.prompt_logprobs,
@@ -156,7 +157,7 @@ class OpenAIServingChat(OpenAIServing):
 
         def chunk(choices: list[ChatCompletionStreamChoice], usage: UsageInfo | None = None) -> str:
             body = ChatCompletionStreamResponse(
-                id=request_id, created=created, model=self.model_name, choices=choices, usage=usage
+                id=request_id, created=created, model=self.response_model(request), choices=choices, usage=usage
             )
             return f"data: {body.model_dump_json()}\n\n"
 

@@ -34,7 +34,7 @@ class OpenAIServingCompletion(OpenAIServing):
         self, request: CompletionRequest
     ) -> CompletionResponse | AsyncIterator[str]:
         """The response, or for ``stream`` the server-sent events; raises ``OpenAIError``."""
-        self.check_request(request)
+        lora_request = self.check_request(request)
         prompts = [await self.tokenize(p, "prompt") for p in _split_prompts(request.prompt)]
         for _, ids in prompts:
             self.check_context(len(ids), request.max_tokens)
@@ -45,7 +45,7 @@ class OpenAIServingCompletion(OpenAIServing):
             params.prompt_logprobs = max(params.prompt_logprobs or 0, request.logprobs)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         streams = await self.start(
-            prompts, params, request_id, bool(request.stream), request.cache_salt
+            prompts, params, request_id, bool(request.stream), request.cache_salt, lora_request
         )
         if request.stream:
             return self._stream(request, request_id, prompts, streams)
@@ -64,7 +64,7 @@ class OpenAIServingCompletion(OpenAIServing):
         num_cached = sum(output.num_cached_tokens for output in outputs)
         return CompletionResponse(
             id=request_id,
-            model=self.model_name,
+            model=self.response_model(request),
             choices=choices,
             usage=UsageInfo.of(num_prompt, num_generated, num_cached),
         )
@@ -80,7 +80,7 @@ class OpenAIServingCompletion(OpenAIServing):
 
         def chunk(choices: list[CompletionResponseChoice], usage: UsageInfo | None = None) -> str:
             body = CompletionStreamResponse(
-                id=request_id, created=created, model=self.model_name, choices=choices, usage=usage
+                id=request_id, created=created, model=self.response_model(request), choices=choices, usage=usage
             )
             return f"data: {body.model_dump_json()}\n\n"
 

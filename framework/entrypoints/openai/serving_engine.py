@@ -9,8 +9,10 @@ from typing import Any
 
 from tokenmill.engine.async_llm import AsyncLLM, RequestStream
 from tokenmill.engine.output_processor import RequestOutputKind
-from tokenmill.entrypoints.openai.errors import OpenAIError, from_exception, model_not_found
+from tokenmill.entrypoints.openai.errors import OpenAIError, from_exception
 from tokenmill.entrypoints.openai.protocol import SamplingFields
+from tokenmill.entrypoints.openai.serving_models import ServedModels
+from tokenmill.lora.request import LoRARequest
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -48,18 +50,18 @@ PARAM_NAMES = SAMPLING_FIELDS + (
 
 
 class OpenAIServing:
-    """Base of the endpoint handlers: one engine, served under one or more model names."""
+    """Base of the endpoint handlers: one engine, served under the base model's names and
+    the names of its LoRA adapters (``models``)."""
 
-    def __init__(self, engine: AsyncLLM, served_model_names: list[str]) -> None:
+    def __init__(self, engine: AsyncLLM, models: ServedModels) -> None:
         self.engine = engine
-        self.served_model_names = served_model_names
-        self.model_name = served_model_names[0]
+        self.models = models
         self._token_texts: dict[int, str] = {}
 
-    def check_request(self, request: SamplingFields) -> None:
-        """404 for a model name not served; 400 for fields this engine cannot honour."""
-        if request.model is not None and request.model not in self.served_model_names:
-            raise model_not_found(request.model)
+    def check_request(self, request: SamplingFields) -> LoRARequest | None:
+        """The adapter the request's ``model`` names (None: the base model); 404 for a model
+        name not served; 400 for fields this engine cannot honour."""
+        lora_request = self.models.resolve(request.model)
         unsupported = request.unsupported()
         if unsupported:
             name, value = next(iter(unsupported.items()))
@@ -72,6 +74,12 @@ class OpenAIServing:
             raise OpenAIError(
                 "prompt_logprobs are not available when stream is true", param="prompt_logprobs"
             )
+        return lora_request
+
+    def response_model(self, request: SamplingFields) -> str:
+        """The ``model`` a response names: the adapter the request asked for, else the base
+        model's first name."""
+        return request.model if request.model in self.models.adapters else self.models.model_name
 
     def sampling_params(
         self,
@@ -133,6 +141,7 @@ class OpenAIServing:
         request_id: str,
         stream: bool,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> list[RequestStream]:
         """Add one engine request per prompt; if one is refused, abort the others."""
         kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
@@ -141,7 +150,7 @@ class OpenAIServing:
             for i, (text, ids) in enumerate(prompts):
                 prompt = {"prompt": text, "prompt_token_ids": ids, "cache_salt": cache_salt}
                 streams.append(
-                    await self.engine.add_request(prompt, params, f"{request_id}-{i}", kind)
+                    await self.engine.add_request(prompt, params, f"{request_id}-{i}", kind, lora_request)
                 )
         except Exception as e:
             self.abort_unfinished(streams)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tokenmill.entrypoints.openai.errors import OpenAIError, model_not_found
+from tokenmill.entrypoints.openai.errors import OpenAIError
 from tokenmill.entrypoints.openai.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -53,8 +53,7 @@ class OpenAIServingTokenization(OpenAIServing):
         return DetokenizeResponse(prompt=tokenizer.decode(request.tokens))
 
     def _tokenizer(self, model: str | None):
-        if model is not None and model not in self.served_model_names:
-            raise model_not_found(model)
+        self.models.resolve(model)
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise OpenAIError("this model has no tokenizer")
