@@ -325,6 +325,7 @@ def test_32_concurrent_requests(server):
         ({"prompt": "hi", "allowed_token_ids": [60000]}, "allowed_token_ids"),
         ({"prompt": "hi", "bad_words": [""]}, "bad_words"),
         ({"prompt": "hi", "use_beam_search": True}, "use_beam_search"),
+        ({"prompt": "hi", "priority": 1}, "priority"),
         ({"prompt": "hi", "prompt_logprobs": 50}, "prompt_logprobs"),
         ({"prompt": "hi", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
         ({"prompt": []}, "prompt"),

@@ -46,6 +46,8 @@ def server(tmp_path_factory):
         "--enable-tokenizer-info-endpoint",
         "--root-path",
         ROOT,
+        "--scheduling-policy",
+        "priority",
         api_key=API_KEY,
     )
     yield srv
@@ -250,6 +252,14 @@ def test_usage_options(server, client):
     body = {"prompt": PROMPT, "stream": True, "stream_options": {"continuous_usage_stats": "x"}}
     message = assert_openai_error(server.post("/v1/completions", body), 400, "stream_options")
     assert "continuous_usage_stats" in message
+
+
+def test_priority(client):
+    """Honoured under ``--scheduling-policy priority`` (refused otherwise: test_server)."""
+    out = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0, extra_body={"priority": -3}
+    )
+    assert out.usage.completion_tokens == 2
 
 
 def test_lenient_messages(client):

@@ -221,6 +221,7 @@ class AsyncLLM:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         output_kind: RequestOutputKind = RequestOutputKind.DELTA,
+        priority: int = 0,
     ) -> RequestStream:
         """Validate and queue a request; return the stream of its outputs.
 
@@ -228,13 +229,16 @@ class AsyncLLM:
         cannot receive) or a request id in use, ``QueueFullError`` when
         ``max_pending_requests`` are unfinished, and ``EngineDeadError`` after ``shutdown`` or
         once the engine core died; a request that raises leaves nothing behind. ``output_kind``
-        is DELTA (for streaming) or FINAL_ONLY.
+        is DELTA (for streaming) or FINAL_ONLY. ``priority`` (lower first) matters with
+        ``scheduling_policy="priority"``.
         """
         if output_kind is RequestOutputKind.CUMULATIVE:
             raise ValueError("AsyncLLM streams DELTA or FINAL_ONLY outputs")
         request_id = request_id or f"req-{next(self._ids)}"
         self._check_admissible(request_id)
-        request = await self.run_off_loop(self.input_processor.process, request_id, prompt, params)
+        request = await self.run_off_loop(
+            self.input_processor.process, request_id, prompt, params, None, priority
+        )
         self._check_admissible(request_id)
         self._loop = asyncio.get_running_loop()
         self.output_processor.add_request(request, output_kind)

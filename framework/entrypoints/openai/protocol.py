@@ -51,7 +51,6 @@ VLLM_UNIMPLEMENTED_DEFAULTS: dict[str, Any] = {
     "use_beam_search": False,
     "length_penalty": 1.0,
     "spaces_between_special_tokens": True,
-    "priority": 0,
     "logits_processors": None,
     "guided_decoding_backend": None,
     "guided_whitespace_pattern": None,
@@ -218,6 +217,8 @@ class SamplingFields(OpenAIModel):
     truncation_side: Literal["left", "right"] = "left"
     """Which end ``truncate_prompt_tokens`` cuts: ``left`` keeps the last tokens (vLLM's
     default)."""
+    priority: int = 0
+    """vLLM's: lower runs first under ``--scheduling-policy priority``."""
     user: str | None = None
     cache_salt: Annotated[str, Field(max_length=MAX_CACHE_SALT_CHARS)] | None = None
     structured_outputs: dict[str, Any] | None = None

@@ -97,7 +97,12 @@ class OpenAIServingChat(OpenAIServing):
         )
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await self.start(
-            [(None, ids)], params, request_id, bool(request.stream), request.cache_salt
+            [(None, ids)],
+            params,
+            request_id,
+            bool(request.stream),
+            request.cache_salt,
+            request.priority,
         )
         if request.stream:
             return self._stream(request, request_id, ids, streams[0], mode, parser)

@@ -57,7 +57,12 @@ class OpenAIServingCompletion(OpenAIServing):
             )
         request_id = f"cmpl-{uuid.uuid4().hex}"
         streams = await self.start(
-            prompts, params, request_id, bool(request.stream), request.cache_salt
+            prompts,
+            params,
+            request_id,
+            bool(request.stream),
+            request.cache_salt,
+            request.priority,
         )
         if request.stream:
             return self._stream(request, request_id, prompts, streams)

@@ -77,6 +77,10 @@ class OpenAIServing:
         if unsupported:
             name, value = next(iter(unsupported.items()))
             raise OpenAIError(f"{name}={value!r} is not supported by this server", param=name)
+        if request.priority != 0 and self.engine.config.scheduling_policy != "priority":
+            raise OpenAIError(
+                "priority needs the server's --scheduling-policy priority", param="priority"
+            )
         if request.stream_options is not None and not request.stream:
             raise OpenAIError(
                 "stream_options is only allowed when stream is true", param="stream_options"
@@ -200,6 +204,7 @@ class OpenAIServing:
         request_id: str,
         stream: bool,
         cache_salt: str | None = None,
+        priority: int = 0,
     ) -> list[RequestStream]:
         """Add one engine request per prompt; if one is refused, abort the others."""
         kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
@@ -208,7 +213,9 @@ class OpenAIServing:
             for i, (text, ids) in enumerate(prompts):
                 prompt = {"prompt": text, "prompt_token_ids": ids, "cache_salt": cache_salt}
                 streams.append(
-                    await self.engine.add_request(prompt, params, f"{request_id}-{i}", kind)
+                    await self.engine.add_request(
+                        prompt, params, f"{request_id}-{i}", kind, priority
+                    )
                 )
         except Exception as e:
             self.abort_unfinished(streams)
