@@ -103,7 +103,8 @@ def test_return_token_ids_chat(server, client, default_tokenizer):
         extra_body={"return_token_ids": True},
     )
     expected_prompt = "<|user|>[Name a colour.]<|assistant|>"
-    assert out.prompt_token_ids == default_tokenizer.encode(expected_prompt, add_special_tokens=False)
+    expected_ids = default_tokenizer.encode(expected_prompt, add_special_tokens=False)
+    assert out.prompt_token_ids == expected_ids
     assert out.prompt_token_ids == tokenize(server, {"messages": USER})
     assert default_tokenizer.decode(out.choices[0].token_ids) == out.choices[0].message.content
     stream = list(
@@ -144,7 +145,9 @@ def test_truncate_prompt_tokens(server, client, default_tokenizer):
     for side, kept in (("left", full[-4:]), ("right", full[:4])):
         out = client.completions.create(
             model=MODEL, prompt=text, max_tokens=2, temperature=0,
-            extra_body={"truncate_prompt_tokens": 4, "truncation_side": side, "return_token_ids": True},
+            extra_body={
+                "truncate_prompt_tokens": 4, "truncation_side": side, "return_token_ids": True
+            },
         )
         assert out.usage.prompt_tokens == 4 and out.choices[0].prompt_token_ids == kept
         by_ids = client.completions.create(model=MODEL, prompt=kept, max_tokens=2, temperature=0)
@@ -166,7 +169,8 @@ def test_truncate_prompt_tokens(server, client, default_tokenizer):
 
 def test_chat_template_receives_kwargs_documents_and_content_parts(server, client):
     documents = [{"title": "T", "text": "Paris is in France."}]
-    messages = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    messages = [{"role": "user", "content": parts}]
     options = {"chat_template_kwargs": {"greeting": "hello"}, "documents": documents}
     tokens = tokenize(server, {"messages": messages, **options})
     assert detokenize(server, tokens) == (
@@ -177,10 +181,11 @@ def test_chat_template_receives_kwargs_documents_and_content_parts(server, clien
         extra_body={**options, "return_token_ids": True},
     )
     assert out.prompt_token_ids == tokens
-    for key in ("tools", "add_generation_prompt"):
-        body = {"messages": USER, "chat_template_kwargs": {key: 1}}
+    for kwargs in ({"tools": 1}, {"add_generation_prompt": 1}, "x"):
+        body = {"messages": USER, "chat_template_kwargs": kwargs}
         assert_openai_error(server.post("/v1/chat/completions", body), 400, "chat_template_kwargs")
-        assert_openai_error(server.post("/tokenize", body), 400, "chat_template_kwargs")
+        message = assert_openai_error(server.post("/tokenize", body), 400, "chat_template_kwargs")
+        assert "Tokenize" not in message
 
 
 def test_continue_final_message_and_echo(server, client):
@@ -194,9 +199,11 @@ def test_continue_final_message_and_echo(server, client):
     )
     assert out.prompt_token_ids == tokens
     echoed = client.chat.completions.create(
-        model=MODEL, messages=messages, max_tokens=4, temperature=0, extra_body={**options, "echo": True},
+        model=MODEL, messages=messages, max_tokens=4, temperature=0,
+        extra_body={**options, "echo": True},
     )
-    assert echoed.choices[0].message.content == "My favourite colour is" + out.choices[0].message.content
+    reply = out.choices[0].message.content
+    assert echoed.choices[0].message.content == "My favourite colour is" + reply
     stream = client.chat.completions.create(
         model=MODEL, messages=messages, max_tokens=4, temperature=0, stream=True,
         extra_body={**options, "echo": True},
@@ -226,14 +233,16 @@ def test_logprobs_of_the_whole_vocabulary(server, client):
     assert response.status_code == 200, response.text
     steps = response.json()["choices"][0]["prompt_logprobs"]
     assert steps[0] is None and len(steps) == 2
-    assert math.fsum(math.exp(lp["logprob"]) for lp in steps[1].values()) == pytest.approx(1, abs=1e-3)
-    for path, field, body in (
-        ("/v1/chat/completions", "top_logprobs", {"messages": USER, "max_tokens": 50, "logprobs": True, "top_logprobs": -1}),
+    total = math.fsum(math.exp(lp["logprob"]) for lp in steps[1].values())
+    assert total == pytest.approx(1, abs=1e-3)
+    chat_all = {"messages": USER, "logprobs": True, "top_logprobs": -1}
+    for path, field, bad in (
+        ("/v1/chat/completions", "top_logprobs", {**chat_all, "max_tokens": 50}),
         ("/v1/completions", "logprobs", {"prompt": "Hi", "max_tokens": 50, "logprobs": -1}),
-        ("/v1/completions", "prompt_logprobs", {"prompt": "Hi " * 20, "max_tokens": 1, "prompt_logprobs": -1}),
-        ("/v1/chat/completions", "top_logprobs", {"messages": USER, "logprobs": True, "top_logprobs": -2}),
+        ("/v1/completions", "prompt_logprobs", {**body, "prompt": "Hi " * 20}),
+        ("/v1/chat/completions", "top_logprobs", {**chat_all, "top_logprobs": -2}),
     ):
-        assert_openai_error(server.post(path, body), 400, field)
+        assert_openai_error(server.post(path, bad), 400, field)
 
 
 def test_usage_options(server, client):
@@ -266,7 +275,7 @@ def test_lenient_messages(client):
     """As vLLM: unknown fields inside a message are ignored, any role is taken."""
     out = client.chat.completions.create(
         model=MODEL, max_tokens=2,
-        messages=[{"role": "narrator", "content": "Once", "reasoning_content": "x", "extra": {"a": 1}}],
+        messages=[{"role": "narrator", "content": "Once", "reasoning_content": "x", "x": {"a": 1}}],
         extra_body={"return_token_ids": True},
     )
     assert out.choices[0].message.content is not None
@@ -356,12 +365,14 @@ def test_version_ping_tokenizer_info(server, default_tokenizer):
 def test_invocations(server):
     chat = server.post("/invocations", {"messages": USER, "max_tokens": 2, "temperature": 0})
     assert chat.status_code == 200 and chat.json()["object"] == "chat.completion"
-    direct = server.post("/v1/chat/completions", {"messages": USER, "max_tokens": 2, "temperature": 0})
+    body = {"messages": USER, "max_tokens": 2, "temperature": 0}
+    direct = server.post("/v1/chat/completions", body)
     assert chat.json()["choices"] == direct.json()["choices"]
     completion = server.post("/invocations", {"prompt": PROMPT, "max_tokens": 2})
     assert completion.status_code == 200 and completion.json()["object"] == "text_completion"
     assert_openai_error(server.post("/invocations", {"input": "x"}), 400)
-    assert_openai_error(server.post("/invocations", {"prompt": PROMPT, "max_tokens": "2"}), 400, "max_tokens")
+    bad = {"prompt": PROMPT, "max_tokens": "2"}
+    assert_openai_error(server.post("/invocations", bad), 400, "max_tokens")
     assert_openai_error(server.post("/invocations", "{"), 400)
 
 

@@ -52,8 +52,8 @@ def register_subcommand(subparsers: argparse._SubParsersAction) -> None:
         "--tool-call-parser",
         default=None,
         help="how tool calls appear in the model's output, for tool_choice=\"auto\": a "
-        "registered tool parser (hermes, llama3_json, or a plugin's); needs "
-        "--enable-auto-tool-choice",
+        "registered tool parser (hermes, llama3_json, mistral, granite, internlm, pythonic, "
+        "llama4_pythonic, or a plugin's); needs --enable-auto-tool-choice",
     )
     parser.add_argument(
         "--chat-template",

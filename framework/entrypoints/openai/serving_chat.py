@@ -152,7 +152,8 @@ class OpenAIServingChat(OpenAIServing):
         if request.top_logprobs is not None:
             if not request.logprobs:
                 raise OpenAIError("top_logprobs needs logprobs to be true", param="top_logprobs")
-            if request.top_logprobs != ALL_LOGPROBS and not 0 <= request.top_logprobs <= MAX_LOGPROBS:
+            top = request.top_logprobs
+            if top != ALL_LOGPROBS and not 0 <= top <= MAX_LOGPROBS:
                 raise OpenAIError(
                     f"top_logprobs must be -1 (the whole vocabulary) or in [0, {MAX_LOGPROBS}], "
                     f"got {request.top_logprobs}",
