@@ -25,9 +25,10 @@ TEMPLATE = (
     "{% endfor %}"
     "{% for d in documents or [] %}<doc {{ d['title'] }}>{{ d['text'] }}</doc>{% endfor %}"
     "{% if greeting is defined %}<greeting>{{ greeting }}</greeting>{% endif %}"
+    "{% for t in tools or [] %}<tool {{ t['function']['name'] }}>{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
-"""Renders every input it gets (content parts, documents, a ``greeting`` kwarg), so a
+"""Renders every input it gets (content parts, documents, a ``greeting`` kwarg, tools), so a
 test can see what reached it; it loops over content, so ``auto`` picks the ``openai``
 content format."""
 USER = [{"role": "user", "content": "Name a colour."}]
@@ -48,6 +49,10 @@ def server(tmp_path_factory):
         ROOT,
         "--scheduling-policy",
         "priority",
+        "--enable-server-load-tracking",
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        "pythonic",
         api_key=API_KEY,
     )
     yield srv
@@ -315,6 +320,18 @@ def test_required_tool_choice_with_defs_and_response_format(client):
             assert choice.message.content.lstrip().startswith("[")
 
 
+def test_chat_template_flag_renders_tools_for_auto_choice(server, client):
+    """``--chat-template`` gives a model whose own template ignores ``tools`` one that
+    renders them, for ``tool_choice="auto"``."""
+    tokens = tokenize(server, {"messages": USER, "tools": TOOLS})
+    assert detokenize(server, tokens).endswith("<tool get_weather><|assistant|>")
+    out = client.chat.completions.create(
+        model=MODEL, messages=USER, tools=TOOLS, tool_choice="auto", max_tokens=3, temperature=0,
+        extra_body={"return_token_ids": True},
+    )
+    assert out.prompt_token_ids == tokens
+
+
 def test_named_tool_call_cut_short_has_no_tool_calls(client):
     named = {"type": "function", "function": {"name": "get_weather"}}
     out = client.chat.completions.create(
@@ -355,6 +372,7 @@ def test_version_ping_tokenizer_info(server, default_tokenizer):
     import tokenmill
 
     assert httpx.get(server.url + "/version").json() == {"version": tokenmill.__version__}
+    assert httpx.get(server.url + "/load").json() == {"server_load": 0}
     assert httpx.get(server.url + "/ping").status_code == 200
     assert httpx.post(server.url + "/ping").status_code == 200
     info = httpx.get(server.url + "/tokenizer_info").json()

@@ -90,6 +90,11 @@ def register_subcommand(subparsers: argparse._SubParsersAction) -> None:
         help="serve GET /tokenizer_info (it shows the tokenizer's settings and chat template)",
     )
     parser.add_argument(
+        "--enable-server-load-tracking",
+        action="store_true",
+        help="serve GET /load: the requests the server is working on",
+    )
+    parser.add_argument(
         "--root-path", default="", help="the path prefix a proxy serves this server under"
     )
     parser.add_argument(
@@ -130,6 +135,7 @@ def run(args: argparse.Namespace) -> int:
         enable_force_include_usage=args.enable_force_include_usage,
         enable_request_id_headers=args.enable_request_id_headers,
         enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
+        enable_server_load_tracking=args.enable_server_load_tracking,
         root_path=args.root_path,
         metrics_names=args.metrics_names,
     )

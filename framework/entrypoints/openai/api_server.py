@@ -206,6 +206,13 @@ def build_app(
         async def tokenizer_info() -> Response:
             return _json_response(tokenization.tokenizer_info, None)
 
+    if options.enable_server_load_tracking:
+
+        @app.get("/load")
+        async def load() -> dict[str, int]:
+            """vLLM's server load: the requests not yet finished."""
+            return {"server_load": engine.num_unfinished_requests}
+
     @app.post("/invocations")
     async def invocations(raw: Request) -> Response:
         """SageMaker's inference route: a chat body (with ``messages``) or a completion body

@@ -29,6 +29,7 @@ class ServerOptions:
         ``X-Request-Id`` (the request's, or a new one).
     enable_tokenizer_info_endpoint: ``--enable-tokenizer-info-endpoint``: serve
         ``/tokenizer_info`` (it shows the chat template).
+    enable_server_load_tracking: ``--enable-server-load-tracking``: serve ``/load``.
     root_path: ``--root-path``: the path prefix a proxy serves this server under.
     metrics_names: ``--metrics-names``: see ``METRICS_NAMES``.
     """
@@ -39,5 +40,6 @@ class ServerOptions:
     enable_force_include_usage: bool = False
     enable_request_id_headers: bool = False
     enable_tokenizer_info_endpoint: bool = False
+    enable_server_load_tracking: bool = False
     root_path: str = ""
     metrics_names: str = "both"

@@ -108,11 +108,11 @@ class OpenAIServingChat(OpenAIServing):
             return self._stream(request, request_id, ids, streams[0], mode, parser)
         output = (await self.final_outputs(streams))[0]
         num_generated = sum(len(c.token_ids) for c in output.outputs)
-        echo = _echo_text(request)
+        echo = _echo_text(request) if mode is None else ""
         choices = []
         for c in output.outputs:
             content, tool_calls = extract(request, mode, parser, c.text, c.finish_reason)
-            if echo and not tool_calls:
+            if echo:
                 content = echo + (content or "")
             choices.append(
                 ChatCompletionResponseChoice(
