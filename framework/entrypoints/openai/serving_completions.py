@@ -40,12 +40,14 @@ class OpenAIServingCompletion(OpenAIServing):
         prompts = [
             await self.tokenize(p, "prompt", request) for p in _split_prompts(request.prompt)
         ]
+        prompt_positions = output_positions = 0
         for _, ids in prompts:
             self.check_context(len(ids), request.max_tokens)
-            self.check_all_logprobs("prompt_logprobs", request.prompt_logprobs, len(ids))
+            prompt_positions += len(ids)
             max_tokens = request.max_tokens or self.engine.max_model_len - len(ids)
-            positions = request.n * max_tokens + (len(ids) if request.echo else 0)
-            self.check_all_logprobs("logprobs", request.logprobs, positions)
+            output_positions += request.n * max_tokens + (len(ids) if request.echo else 0)
+        self.check_all_logprobs("prompt_logprobs", request.prompt_logprobs, prompt_positions)
+        self.check_all_logprobs("logprobs", request.logprobs, output_positions)
         params = self.sampling_params(
             request, request.max_tokens, request.logprobs, structured_outputs_of(request)
         )
