@@ -14,7 +14,18 @@ GREEDY_TEMPERATURE_EPS = 1e-5
 """Temperatures below this are greedy (vLLM's ``_SAMPLING_EPS``)."""
 
 MAX_LOGPROBS = 20
-"""Largest ``logprobs`` (top-N) a request may ask for."""
+"""Largest ``logprobs`` (top-N) a request may ask for, besides ``ALL_LOGPROBS``."""
+
+ALL_LOGPROBS = -1
+"""``logprobs`` / ``prompt_logprobs`` value asking for the whole vocabulary (vLLM's)."""
+
+
+def num_top_logprobs(value: int, vocab_size: int) -> int:
+    """How many most likely tokens a ``logprobs`` / ``prompt_logprobs`` value asks for."""
+    return vocab_size if value == ALL_LOGPROBS else value
+
+MAX_QUOTED_IDS = 32
+"""Most out-of-vocabulary token ids one error message lists."""
 
 INT64_MIN, UINT64_MAX = -(2**63), 2**64 - 1
 """The integers msgpack carries to the engine core."""
@@ -148,8 +159,9 @@ class SamplingParams:
         logprobs: return the log-probabilities of the sampled token and of the ``logprobs``
             most likely tokens at each position (0 = only the sampled token's), as ``Logprob``
             objects; what they are computed from is the engine's ``logprobs_mode``.
+            ``ALL_LOGPROBS`` (-1): every token of the vocabulary.
         prompt_logprobs: likewise for each prompt token (raw logprobs of the prompt's forward
-            pass); the first position has none. A request asking for them never reuses
+            pass); the first position has none. -1: every token of the vocabulary. A request asking for them never reuses
             prefix-cached blocks, so every prompt position is computed.
         skip_special_tokens: leave special tokens out of the output text.
         include_stop_str_in_output: keep a matched stop string in the output text.
@@ -219,7 +231,7 @@ class SamplingParams:
             )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None:
+            if value is not None and value != ALL_LOGPROBS:
                 value = _check_int(name, value, minimum=0)
                 if value > MAX_LOGPROBS:
                     raise ValueError(f"{name} must be <= {MAX_LOGPROBS}, got {value}")
@@ -280,7 +292,8 @@ class SamplingParams:
             bad = [t for t in ids or () if t >= vocab_size]
             if bad:
                 raise ValueError(
-                    f"{name} token id {bad[0]} is outside the vocabulary [0, {vocab_size})"
+                    f"{name} token id(s) {_quote(bad)} are outside the vocabulary "
+                    f"[0, {vocab_size})"
                 )
 
     @property
@@ -408,6 +421,13 @@ def _check_token_ids(name: str, ids: Any) -> list[int]:
     return [int(i) for i in ids]
 
 
+def _quote(items: list[Any]) -> str:
+    """The first ``MAX_QUOTED_IDS`` items, and how many more there are."""
+    listed = ", ".join(map(repr, items[:MAX_QUOTED_IDS]))
+    more = len(items) - MAX_QUOTED_IDS
+    return listed + (f" and {more} more" if more > 0 else "")
+
+
 def _normalise_logit_bias(bias: Any) -> dict[int, float] | None:
     """``{token id: bias}`` with int ids (numeric strings, as JSON sends them, are accepted)."""
     if not bias:
@@ -415,9 +435,15 @@ def _normalise_logit_bias(bias: Any) -> dict[int, float] | None:
     if not isinstance(bias, dict):
         raise ValueError(f"logit_bias must be a dict of token id -> bias, got {bias!r}")
     out: dict[int, float] = {}
+    bad_keys = []
     for key, value in bias.items():
         token = int(key) if isinstance(key, str) and key.isdigit() else key
         if not _is_int(token) or token < 0:
-            raise ValueError(f"logit_bias keys must be non-negative token ids, got {key!r}")
+            bad_keys.append(key)
+            continue
         out[int(token)] = _check_float("logit_bias", value)
+    if bad_keys:
+        raise ValueError(
+            f"logit_bias keys must be non-negative token ids, got {_quote(bad_keys)}"
+        )
     return out

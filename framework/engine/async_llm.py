@@ -62,10 +62,17 @@ class RequestStats:
     queue_time: float | None
     time_to_first_token: float | None
     time_per_output_token: float | None
+    n: int = 1
+    """The request's ``n``."""
+    max_tokens: int = 0
+    """The request's ``max_tokens`` (its default filled in: what fits the context)."""
 
 
 class StatLogger(Protocol):
     def record_finished(self, stats: RequestStats) -> None: ...
+
+    def record_iteration(self, num_tokens: int) -> None:
+        """One engine step ran ``num_tokens`` tokens (prompt and generated)."""
 
 
 class RequestStream:
@@ -73,11 +80,18 @@ class RequestStream:
     raises the request's error if the engine rejected or failed it."""
 
     def __init__(
-        self, request_id: str, num_prompt_tokens: int, output_kind: RequestOutputKind
+        self,
+        request_id: str,
+        num_prompt_tokens: int,
+        output_kind: RequestOutputKind,
+        n: int = 1,
+        max_tokens: int = 0,
     ) -> None:
         self.request_id = request_id
         self.num_prompt_tokens = num_prompt_tokens
         self.output_kind = output_kind
+        self.n = n
+        self.max_tokens = max_tokens
         self.finished = False
         self.num_generation_tokens: dict[int, int] = {}
         self.finish_reasons: dict[int, str] = {}
@@ -178,6 +192,11 @@ class AsyncLLM:
         return self.engine_core.max_model_len
 
     @property
+    def vocab_size(self) -> int:
+        """The model's vocabulary size (token ids are below it)."""
+        return self.input_processor.vocab_size
+
+    @property
     def num_unfinished_requests(self) -> int:
         return len(self._streams)
 
@@ -204,6 +223,7 @@ class AsyncLLM:
         request_id: str | None = None,
         output_kind: RequestOutputKind = RequestOutputKind.DELTA,
         lora_request: LoRARequest | None = None,
+        priority: int = 0,
     ) -> RequestStream:
         """Validate and queue a request; return the stream of its outputs.
 
@@ -212,19 +232,26 @@ class AsyncLLM:
         ``max_pending_requests`` are unfinished, and ``EngineDeadError`` after ``shutdown`` or
         once the engine core died; a request that raises leaves nothing behind. ``output_kind``
         is DELTA (for streaming) or FINAL_ONLY. ``lora_request`` (with ``enable_lora``) is the
-        adapter to generate with; one the engine cannot load raises ``ValueError``.
+        adapter to generate with; one the engine cannot load raises ``ValueError``. ``priority``
+        (lower first) matters with ``scheduling_policy="priority"``.
         """
         if output_kind is RequestOutputKind.CUMULATIVE:
             raise ValueError("AsyncLLM streams DELTA or FINAL_ONLY outputs")
         request_id = request_id or f"req-{next(self._ids)}"
         self._check_admissible(request_id)
         request = await self.run_off_loop(
-            self.input_processor.process, request_id, prompt, params, lora_request=lora_request
+            self.input_processor.process, request_id, prompt, params, None, priority, lora_request
         )
         self._check_admissible(request_id)
         self._loop = asyncio.get_running_loop()
         self.output_processor.add_request(request, output_kind)
-        stream = RequestStream(request_id, len(request.prompt_token_ids), output_kind)
+        stream = RequestStream(
+            request_id,
+            len(request.prompt_token_ids),
+            output_kind,
+            request.params.n,
+            request.core_requests[0].max_tokens,
+        )
         self._streams[request_id] = stream
         children = [c.request_id for c in request.core_requests]
         try:
@@ -334,6 +361,9 @@ class AsyncLLM:
             self._fail_all(error, set(core_outputs.failed_req_ids))
             return
         out.mark_scheduled(core_outputs.scheduled_req_ids, core_outputs.timestamp)
+        if core_outputs.num_scheduled_tokens:
+            for stat_logger in self.stat_loggers:
+                stat_logger.record_iteration(core_outputs.num_scheduled_tokens)
         processed = out.process(core_outputs.outputs)
         for child_id, stop_str in processed.stopped_by_string:
             if self._dead is None:
@@ -400,6 +430,8 @@ def request_stats(output: RequestOutput, stream: RequestStream) -> list[RequestS
                 queue_time=queue_time,
                 time_to_first_token=ttft,
                 time_per_output_token=tpot,
+                n=stream.n,
+                max_tokens=stream.max_tokens,
             )
         )
     return stats

@@ -42,6 +42,8 @@ class EngineCoreOutputs:
     """Set when a step raised: the core then failed the step's requests, the ids in
     ``failed_req_ids``."""
     failed_req_ids: list[str] = field(default_factory=list)
+    num_scheduled_tokens: int = 0
+    """Tokens the step ran (prompt and generated; 0: no step ran)."""
 
 
 class EngineCore:
@@ -199,7 +201,10 @@ class EngineCore:
             )
             raise
         return EngineCoreOutputs(
-            failed + outputs, list(scheduler_output.num_scheduled_tokens), start
+            failed + outputs,
+            list(scheduler_output.num_scheduled_tokens),
+            start,
+            num_scheduled_tokens=scheduler_output.total_num_scheduled_tokens,
         )
 
     def _admit_compiled(self) -> list[EngineCoreOutput]:

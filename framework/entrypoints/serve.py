@@ -7,6 +7,11 @@ from typing import TYPE_CHECKING
 
 from tokenmill import envs, plugins
 from tokenmill.cli import add_engine_args, engine_kwargs
+from tokenmill.entrypoints.openai.server_options import (
+    CONTENT_FORMATS,
+    METRICS_NAMES,
+    ServerOptions,
+)
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -51,8 +56,56 @@ def register_subcommand(subparsers: argparse._SubParsersAction) -> None:
         "--tool-call-parser",
         default=None,
         help="how tool calls appear in the model's output, for tool_choice=\"auto\": a "
-        "registered tool parser (hermes, llama3_json, or a plugin's); needs "
-        "--enable-auto-tool-choice",
+        "registered tool parser (hermes, llama3_json, mistral, granite, internlm, pythonic, "
+        "llama4_pythonic, or a plugin's); needs --enable-auto-tool-choice",
+    )
+    parser.add_argument(
+        "--chat-template",
+        default=None,
+        help="the chat template to use instead of the tokenizer's: a Jinja file, or the "
+        "template itself",
+    )
+    parser.add_argument(
+        "--chat-template-content-format",
+        choices=CONTENT_FORMATS,
+        default="auto",
+        help="how message content reaches the chat template: one string, or OpenAI's list of "
+        "text parts; auto: the list when the template loops over content",
+    )
+    parser.add_argument(
+        "--return-tokens-as-token-ids",
+        action="store_true",
+        help="spell logprob tokens 'token_id:<id>' (a request's return_tokens_as_token_ids "
+        "overrides it)",
+    )
+    parser.add_argument(
+        "--enable-force-include-usage",
+        action="store_true",
+        help="end every stream with a usage chunk, even without stream_options.include_usage",
+    )
+    parser.add_argument(
+        "--enable-request-id-headers",
+        action="store_true",
+        help="answer every request with an X-Request-Id header (the request's, or a new one)",
+    )
+    parser.add_argument(
+        "--enable-tokenizer-info-endpoint",
+        action="store_true",
+        help="serve GET /tokenizer_info (it shows the tokenizer's settings and chat template)",
+    )
+    parser.add_argument(
+        "--enable-server-load-tracking",
+        action="store_true",
+        help="serve GET /load: the requests the server is working on",
+    )
+    parser.add_argument(
+        "--root-path", default="", help="the path prefix a proxy serves this server under"
+    )
+    parser.add_argument(
+        "--metrics-names",
+        choices=METRICS_NAMES,
+        default="both",
+        help="/metrics series names: tokenmill:*, vLLM's vllm:*, or both",
     )
     parser.add_argument(
         "--disable-web-ui",
@@ -95,6 +148,24 @@ def make_app(args: argparse.Namespace) -> FastAPI:
     lora_modules = parse_lora_modules(args.lora_modules or [])
     if lora_modules and not args.enable_lora:
         raise SystemExit("error: --lora-modules needs --enable-lora")
+    from tokenmill.entrypoints.openai.chat_template import load_chat_template
+
+    if args.chat_template is not None:
+        try:
+            load_chat_template(args.chat_template)
+        except ValueError as e:
+            raise SystemExit(f"error: {e}") from None
+    options = ServerOptions(
+        chat_template=args.chat_template,
+        chat_template_content_format=args.chat_template_content_format,
+        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+        enable_force_include_usage=args.enable_force_include_usage,
+        enable_request_id_headers=args.enable_request_id_headers,
+        enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
+        enable_server_load_tracking=args.enable_server_load_tracking,
+        root_path=args.root_path,
+        metrics_names=args.metrics_names,
+    )
 
     from tokenmill.default_model import DEFAULT_MODEL_NAME
     from tokenmill.engine.async_llm import AsyncLLM
@@ -116,6 +187,7 @@ def make_app(args: argparse.Namespace) -> FastAPI:
             names,
             args.api_key or envs.TOKENMILL_API_KEY,
             args.tool_call_parser,
+            options,
             lora_modules,
             web_ui=not args.disable_web_ui,
         )

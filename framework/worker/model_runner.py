@@ -42,7 +42,7 @@ from tokenmill.sample.sampler import (
     position_seed,
     row_settings,
 )
-from tokenmill.sampling_params import GREEDY_TEMPERATURE_EPS, SamplingParams
+from tokenmill.sampling_params import GREEDY_TEMPERATURE_EPS, SamplingParams, num_top_logprobs
 from tokenmill.selector import AttentionSelector
 from tokenmill.structured_output.bitmask import apply_grammar_bitmask
 from tokenmill.interfaces.decode_graph import DecodeGraphRunner
@@ -428,6 +428,7 @@ class ModelRunner:
             num = state.sampling_params.prompt_logprobs
             if num is None or not prompt_logprobs.wants(req_id):
                 continue
+            num = num_top_logprobs(num, self.config.hf_config.vocab_size)
             prompt = batch.token_ids[state.row, : state.num_prompt_tokens].tolist()
             chunks.append(
                 PromptChunk(req_id, num, prompt, int(num_computed[i]), int(num_sched[i]), int(starts[i]))
@@ -451,6 +452,7 @@ class ModelRunner:
         temperature = batch.temperature[rows]
         greedy = temperature < GREEDY_TEMPERATURE_EPS
         seeds: dict[int, int] = {}
+        vocab = self.config.hf_config.vocab_size
         suppress: dict[int, list[int]] = {}
         max_logprobs: int | None = None
         bias_rows: list[int] = []
@@ -466,7 +468,7 @@ class ModelRunner:
             if seed is not None and not greedy[i]:
                 seeds[i] = position_seed(seed, int(num_output))
             if params.logprobs is not None:
-                max_logprobs = max(max_logprobs or 0, params.logprobs)
+                max_logprobs = max(max_logprobs or 0, num_top_logprobs(params.logprobs, vocab))
             banned = []
             if num_output < params.min_tokens and state.min_tokens_suppress:
                 banned += state.min_tokens_suppress
@@ -487,8 +489,7 @@ class ModelRunner:
                 torch.tensor(bias_values, dtype=torch.float32, device=self.device),
             )
         settings = row_settings(
-            temperature, batch.top_p[rows], batch.top_k[rows], batch.min_p[rows],
-            self.config.hf_config.vocab_size, self.device, seeds,
+            temperature, batch.top_p[rows], batch.top_k[rows], batch.min_p[rows], vocab, self.device, seeds,
         )
         return replace(
             settings,
@@ -555,7 +556,8 @@ class ModelRunner:
             params = self.batch.requests[req_ids[idx]].sampling_params
             if params.logprobs is None:
                 continue
-            n, end = 1 + params.logprobs, start + num
+            vocab = self.config.hf_config.vocab_size
+            n, end = 1 + num_top_logprobs(params.logprobs, vocab), start + num
             result[req_ids[idx]] = LogprobsLists(
                 [row[:n] for row in ids[start:end]], [row[:n] for row in values[start:end]], ranks[start:end]
             )

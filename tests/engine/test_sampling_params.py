@@ -1,7 +1,13 @@
 import numpy as np
 import pytest
 
-from tokenmill.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingType
+from tokenmill.sampling_params import (
+    ALL_LOGPROBS,
+    MAX_LOGPROBS,
+    SamplingParams,
+    SamplingType,
+    num_top_logprobs,
+)
 
 
 def test_defaults_match_the_design():
@@ -39,10 +45,10 @@ def test_defaults_match_the_design():
         ("max_tokens", "16"),
         ("min_tokens", -1),
         ("min_tokens", 17),
-        ("logprobs", -1),
+        ("logprobs", -2),
         ("logprobs", MAX_LOGPROBS + 1),
         ("logprobs", "3"),
-        ("prompt_logprobs", -1),
+        ("prompt_logprobs", -2),
         ("prompt_logprobs", MAX_LOGPROBS + 1),
         ("prompt_logprobs", 2.0),
         ("stop", ""),
@@ -78,6 +84,12 @@ def test_integers_beyond_64_bits_are_refused(field, value):
     """msgpack cannot carry them to the engine core (issue 36, item 11)."""
     with pytest.raises(ValueError, match=f"^{field} must .*64-bit|^{field} must fit in 64 bits"):
         SamplingParams(**{field: value})
+
+
+def test_minus_one_logprobs_ask_for_the_whole_vocabulary():
+    params = SamplingParams(logprobs=ALL_LOGPROBS, prompt_logprobs=ALL_LOGPROBS)
+    assert params.logprobs == params.prompt_logprobs == -1
+    assert num_top_logprobs(params.logprobs, 100) == 100 and num_top_logprobs(3, 100) == 3
 
 
 def test_64_bit_extremes_are_accepted():

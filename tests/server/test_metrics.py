@@ -29,7 +29,7 @@ def test_n2_request_counts_two_requests_in_every_series(tmp_path):
     path = make_tiny_checkpoint(tmp_path / "m")
     save_byte_tokenizer(path)
     engine = AsyncLLM.from_engine_args(model=path, num_kv_blocks=32, block_size=8, max_model_len=64)
-    metrics = PrometheusMetrics(engine.get_stats, engine.get_engine_stats, "tiny")
+    metrics = PrometheusMetrics(engine.get_stats, engine.get_engine_stats, "tiny", "both", 64)
     engine.stat_loggers.append(metrics)
     params = SamplingParams(n=2, temperature=1.0, seed=0, max_tokens=4, ignore_eos=True)
 
@@ -52,3 +52,12 @@ def test_n2_request_counts_two_requests_in_every_series(tmp_path):
         assert m[f"tokenmill:{name}_count"] == 2, name
     assert m["tokenmill:prompt_tokens_total"] == 2 * len(PROMPT)
     assert m["tokenmill:generation_tokens_total"] == 2 * 4
+    for prefix in ("tokenmill", "vllm"):
+        assert m[f"{prefix}:request_success_total"] == 2
+        assert m[f"{prefix}:request_params_n_count"] == 2 and m[f"{prefix}:request_params_n_sum"] == 4
+        assert m[f"{prefix}:request_params_max_tokens_sum"] == 2 * 4
+        assert m[f"{prefix}:request_prompt_tokens_sum"] == 2 * len(PROMPT)
+        assert m[f"{prefix}:request_generation_tokens_sum"] == 2 * 4
+        assert m[f"{prefix}:iteration_tokens_total_count"] >= 4
+        assert m[f"{prefix}:iteration_tokens_total_sum"] >= 2 * 4 + len(PROMPT)
+    assert "vllm:kv_blocks_total" not in m and "tokenmill:kv_blocks_total" in m

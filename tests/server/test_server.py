@@ -325,6 +325,7 @@ def test_32_concurrent_requests(server):
         ({"prompt": "hi", "allowed_token_ids": [60000]}, "allowed_token_ids"),
         ({"prompt": "hi", "bad_words": [""]}, "bad_words"),
         ({"prompt": "hi", "use_beam_search": True}, "use_beam_search"),
+        ({"prompt": "hi", "priority": 1}, "priority"),
         ({"prompt": "hi", "prompt_logprobs": 50}, "prompt_logprobs"),
         ({"prompt": "hi", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
         ({"prompt": []}, "prompt"),
@@ -401,7 +402,7 @@ def test_vllm_bench_serve_payloads(server):
 @pytest.mark.parametrize(
     ("body", "param"),
     [
-        ({"messages": [{"role": "robot", "content": "x"}]}, "messages"),
+        ({"messages": [{"content": "x"}]}, "messages"),
         ({"messages": []}, "messages"),
         ({"messages": "hello"}, "messages"),
         ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),

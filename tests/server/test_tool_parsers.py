@@ -52,11 +52,25 @@ HERMES = (
 )
 LLAMA = '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "get_time", "parameters": {}}'
 
+MISTRAL = 'Let me check.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_time", "arguments": {}}]'
+GRANITE = '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_time", "arguments": {}}]'
+GRANITE_31 = '<tool_call>[{"name": "get_weather", "arguments": {"city": "Paris"}},\n{"name": "get_time", "arguments": {}}]'
+PYTHONIC = '[get_weather(city="Paris"), get_time()]'
+PYTHONIC_PAREN = '[get_weather(city="Paris (FR)"), get_time()]'
+LLAMA4 = '<|python_start|>[get_weather(city="Paris"), get_time()]<|python_end|>'
+FORMATS = [
+    ("hermes", HERMES, "Let me check."),
+    ("llama3_json", LLAMA, None),
+    ("mistral", MISTRAL, "Let me check."),
+    ("granite", GRANITE, None),
+    ("granite", GRANITE_31, None),
+    ("pythonic", PYTHONIC, None),
+    ("llama4_pythonic", LLAMA4, None),
+    ("llama4_pythonic", PYTHONIC, None),
+]
 
-@pytest.mark.parametrize(
-    "name, text, content",
-    [("hermes", HERMES, "Let me check."), ("llama3_json", LLAMA, None)],
-)
+
+@pytest.mark.parametrize("name, text, content", FORMATS)
 def test_parsers_whole_and_streamed(name, text, content):
     parser_cls = load_tool_parser(name)
     request = _request(tool_choice="auto")
@@ -75,7 +89,34 @@ def test_parsers_whole_and_streamed(name, text, content):
     assert all(c["id"] for c in calls.values())
 
 
-@pytest.mark.parametrize("name", ["hermes", "llama3_json"])
+def test_internlm_whole_and_streamed():
+    """InternLM2 makes one call per action block."""
+    text = 'Let me check.<|action_start|><|plugin|>\n{"name": "get_weather", "parameters": {"city": "Paris"}}<|action_end|>'
+    parser_cls = load_tool_parser("internlm")
+    request = _request(tool_choice="auto")
+    info = parser_cls(None).extract_tool_calls(text, request)
+    assert info.content == "Let me check."
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in info.tool_calls] == [
+        ("get_weather", {"city": "Paris"})
+    ]
+    content, calls = _stream_all(ToolCallStream(request, "auto", parser_cls(None), 0), text)
+    assert content == "Let me check."
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [
+        ("get_weather", {"city": "Paris"})
+    ]
+
+
+def test_pythonic_arguments_are_literals():
+    parser = load_tool_parser("pythonic")(None)
+    info = parser.extract_tool_calls(PYTHONIC_PAREN, _request(tool_choice="auto"))
+    assert json.loads(info.tool_calls[0].function.arguments) == {"city": "Paris (FR)"}
+    for text in ("[get_weather(city=x)]", "[print('hi')]", "[1, 2]"):
+        assert not parser.extract_tool_calls(text, _request(tool_choice="auto")).tools_called
+
+
+@pytest.mark.parametrize(
+    "name", ["hermes", "llama3_json", "mistral", "granite", "internlm", "pythonic", "llama4_pythonic"]
+)
 def test_parsers_leave_plain_answers_alone(name):
     parser = load_tool_parser(name)(None)
     text = "Paris is sunny <tool today."
@@ -112,5 +153,5 @@ def test_tool_choice_checks_and_constraints():
 
 
 def test_unknown_parser_lists_the_registered_ones():
-    with pytest.raises(ValueError, match="hermes, llama3_json"):
+    with pytest.raises(ValueError, match="granite, hermes, internlm, llama3_json, llama4_pythonic"):
         plugins.get_registry("tool_parsers").get("nope")

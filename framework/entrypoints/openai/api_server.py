@@ -4,18 +4,21 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from http import HTTPStatus
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+import tokenmill
 from tokenmill import envs
 from tokenmill.engine.async_llm import AsyncLLM, EngineStalledError
 from tokenmill.engine.core_client import EngineDeadError
@@ -25,6 +28,7 @@ from tokenmill.entrypoints.openai.errors import (
     from_validation_error,
     model_not_found,
 )
+from tokenmill.entrypoints.openai.chat_template import ChatRenderer
 from tokenmill.entrypoints.openai.metrics import PrometheusMetrics
 from tokenmill.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -38,6 +42,7 @@ from tokenmill.entrypoints.openai.protocol import (
     TokenizeResponse,
     UnloadLoRAAdapterRequest,
 )
+from tokenmill.entrypoints.openai.server_options import ServerOptions
 from tokenmill.entrypoints.openai.serving_chat import OpenAIServingChat
 from tokenmill.entrypoints.openai.serving_completions import OpenAIServingCompletion
 from tokenmill.entrypoints.openai.serving_models import ServedModels
@@ -46,6 +51,7 @@ from tokenmill.entrypoints.openai.tool_calls import load_tool_parser
 from tokenmill.entrypoints.web_ui import add_web_ui
 
 T = TypeVar("T")
+M = TypeVar("M", bound=BaseModel)
 
 
 class APIKeyMiddleware:
@@ -57,7 +63,7 @@ class APIKeyMiddleware:
         self.expected = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if scope["type"] == "http" and _route_path(scope).startswith("/v1"):
             scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
             if scheme.lower() != b"bearer" or not hmac.compare_digest(
                 given.strip(), self.expected
@@ -68,6 +74,35 @@ class APIKeyMiddleware:
                 await error.to_response()(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+def _route_path(scope: Scope) -> str:
+    """The request's path without the ``--root-path`` prefix a proxy may have kept."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return path[len(root) :] if root and path.startswith(root) else path
+
+
+class RequestIdMiddleware:
+    """``--enable-request-id-headers``: each response carries ``X-Request-Id``, the
+    request's own or a new one (vLLM's)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope["headers"]).get(b"x-request-id")
+        request_id = given or uuid.uuid4().hex.encode()
+
+        async def add_header(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = [(k, v) for k, v in message.get("headers", []) if k != b"x-request-id"]
+                message = {**message, "headers": [*headers, (b"x-request-id", request_id)]}
+            await send(message)
+
+        await self.app(scope, receive, add_header)
 
 
 class InternalErrorMiddleware:
@@ -101,35 +136,49 @@ def build_app(
     served_model_names: list[str],
     api_key: str | None = None,
     tool_call_parser: str | None = None,
+    options: ServerOptions | None = None,
     lora_modules: dict[str, str] | None = None,
     web_ui: bool = True,
 ) -> FastAPI:
     """The FastAPI app serving ``engine`` under ``served_model_names`` (the first is the one
     responses name); it shuts the engine down when the app stops. ``tool_call_parser``: the
     registered tool parser that ``tool_choice="auto"`` uses; None refuses "auto".
+    ``options``: the server's flags (``ServerOptions``); raises ``ValueError`` for a bad one.
     ``lora_modules`` (name -> adapter directory, with ``enable_lora``) are served as models
     of their own; an adapter the engine refuses raises ``OpenAIError``. With
     ``TOKENMILL_ALLOW_RUNTIME_LORA_UPDATING`` adapters load and unload at run time too.
     ``web_ui``: serve the browser pages at ``/`` and ``/engine`` (see ``web_ui``)."""
+    options = options or ServerOptions()
     models = ServedModels(engine, served_model_names)
     for name, path in (lora_modules or {}).items():
         models.add_adapter(name, path)
-    metrics = PrometheusMetrics(engine.get_stats, engine.get_engine_stats, served_model_names[0])
+    metrics = PrometheusMetrics(
+        engine.get_stats,
+        engine.get_engine_stats,
+        served_model_names[0],
+        options.metrics_names,
+        engine.max_model_len,
+    )
     engine.stat_loggers.append(metrics)
-    completions = OpenAIServingCompletion(engine, models)
+    renderer = ChatRenderer.create(
+        engine.tokenizer, options.chat_template, options.chat_template_content_format
+    )
+    completions = OpenAIServingCompletion(engine, models, options)
     parser = load_tool_parser(tool_call_parser) if tool_call_parser else None
-    chat = OpenAIServingChat(engine, models, parser)
-    tokenization = OpenAIServingTokenization(engine, models)
+    chat = OpenAIServingChat(engine, models, parser, options, renderer)
+    tokenization = OpenAIServingTokenization(engine, models, renderer)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
         engine.shutdown()
 
-    app = FastAPI(title="tokenmill", lifespan=lifespan)
+    app = FastAPI(title="tokenmill", lifespan=lifespan, root_path=options.root_path)
     app.add_middleware(InternalErrorMiddleware)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    if options.enable_request_id_headers:
+        app.add_middleware(RequestIdMiddleware)
 
     @app.exception_handler(OpenAIError)
     async def openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
@@ -153,6 +202,45 @@ def build_app(
                 str(e), HTTPStatus.SERVICE_UNAVAILABLE, "server_error"
             ).to_response()
         return Response(status_code=200)
+
+    @app.get("/ping")
+    @app.post("/ping")
+    async def ping() -> Response:
+        """SageMaker's health check: ``/health``'s answer."""
+        return await health()
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": tokenmill.__version__}
+
+    if options.enable_tokenizer_info_endpoint:
+
+        @app.get("/tokenizer_info")
+        async def tokenizer_info() -> Response:
+            return _json_response(tokenization.tokenizer_info, None)
+
+    if options.enable_server_load_tracking:
+
+        @app.get("/load")
+        async def load() -> dict[str, int]:
+            """vLLM's server load: the requests not yet finished."""
+            return {"server_load": engine.num_unfinished_requests}
+
+    @app.post("/invocations")
+    async def invocations(raw: Request) -> Response:
+        """SageMaker's inference route: a chat body (with ``messages``) or a completion body
+        (with ``prompt``), answered as its endpoint answers it."""
+        body = await _json_body(raw)
+        if isinstance(body, dict) and "messages" in body:
+            request = _validate(ChatCompletionRequest, body)
+            return await _respond(chat.create_chat_completion(request), raw)
+        if isinstance(body, dict) and "prompt" in body:
+            request = _validate(CompletionRequest, body)
+            return await _respond(completions.create_completion(request), raw)
+        raise OpenAIError(
+            "/invocations takes a chat completion body (with messages) or a completion body "
+            "(with prompt)"
+        )
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -200,6 +288,21 @@ def build_app(
     if web_ui:
         add_web_ui(app)
     return app
+
+
+async def _json_body(raw: Request) -> Any:
+    try:
+        return json.loads(await raw.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise OpenAIError(f"the request body is not valid JSON: {e}") from None
+
+
+def _validate(model: type[M], body: dict[str, Any]) -> M:
+    """``body`` as ``model``; a 400 naming the field, as the routes answer one."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        raise from_validation_error(RequestValidationError(e.errors())) from None
 
 
 def _json_response(handler: Callable[[T], BaseModel], body: T) -> Response:

@@ -1,4 +1,6 @@
-"""Prometheus metrics under ``tokenmill:``, named as vLLM's ``vllm:`` ones.
+"""Prometheus metrics named as vLLM's, under ``tokenmill:``, vLLM's ``vllm:`` or both
+(``--metrics-names``; series vLLM has no counterpart of, ``TOKENMILL_ONLY``, are always
+``tokenmill:``).
 
 Request histograms and the success counter are recorded as requests finish; the engine's
 counters and gauges (tokens, KV blocks, prefix cache, preemptions) are read from its
@@ -95,6 +97,34 @@ LATENCY_BUCKETS = [
     7680.0,
 ]
 
+ITERATION_TOKENS_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+N_BUCKETS = [1, 2, 5, 10, 20]
+
+TOKENMILL_ONLY = frozenset({"kv_blocks_total", "kv_blocks_free", "num_requests_routed"})
+"""Series vLLM has no counterpart of: exported under ``tokenmill:`` whatever the names."""
+
+PREFIXES = {"tokenmill": ("tokenmill",), "vllm": ("vllm",), "both": ("tokenmill", "vllm")}
+"""``--metrics-names`` -> the prefixes of the series vLLM also has."""
+
+
+def build_1_2_5_buckets(limit: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to ``limit`` (vLLM's buckets of token counts)."""
+    buckets, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > limit:
+                return buckets
+            buckets.append(m * scale)
+        scale *= 10
+
+
+def series_names(name: str, names: str) -> list[str]:
+    """The exported names of series ``name`` (without prefix) under ``--metrics-names``."""
+    if name in TOKENMILL_ONLY:
+        return [f"tokenmill:{name}"]
+    return [f"{prefix}:{name}" for prefix in PREFIXES[names]]
+
+
 ENGINE_COUNTERS = {
     "num_prompt_tokens": ("prompt_tokens", "Prompt tokens processed."),
     "num_generated_tokens": ("generation_tokens", "Tokens generated."),
@@ -112,7 +142,7 @@ ENGINE_COUNTERS = {
         "Requests the front end routed to the engine core (data parallelism).",
     ),
 }
-"""get_stats() key -> (metric name after ``tokenmill:``, help); exported as ``..._total``."""
+"""get_stats() key -> (metric name after the prefix, help); exported as ``..._total``."""
 
 PER_POS_PREFIX = "spec_num_accepted_tokens_pos_"
 """get_stats() keys ``spec_num_accepted_tokens_pos_<i>``, exported with a ``position`` label."""
@@ -140,17 +170,29 @@ class EngineStatsCollector(Collector):
         get_stats: Callable[[], dict[str, int]],
         get_engine_stats: Callable[[], list[dict[str, int]]],
         model_name: str,
+        names: str,
     ) -> None:
         self.get_stats = get_stats
         self.get_engine_stats = get_engine_stats
         self.model_name = model_name
+        self.names = names
 
     def collect(self) -> Iterator[Metric]:
+        for family in self._families():
+            for full_name in series_names(family.name, self.names):
+                copy = type(family)(full_name, family.documentation, labels=[])
+                copy.samples = [
+                    s._replace(name=full_name + s.name[len(family.name) :]) for s in family.samples
+                ]
+                yield copy
+
+    def _families(self) -> Iterator[Metric]:
+        """The series, named without prefix."""
         engines = self.get_engine_stats()
         front_end = {k: v for k, v in self.get_stats().items() if k not in engines[0]}
         for key, (name, doc) in ENGINE_COUNTERS.items():
             if key in front_end:
-                metric = CounterMetricFamily(f"tokenmill:{name}", doc, labels=["model_name"])
+                metric = CounterMetricFamily(name, doc, labels=["model_name"])
                 metric.add_metric([self.model_name], front_end[key])
                 yield metric
             elif key in engines[0]:
@@ -160,7 +202,7 @@ class EngineStatsCollector(Collector):
         )
         if positions:
             per_pos = CounterMetricFamily(
-                "tokenmill:spec_decode_num_accepted_tokens_per_pos",
+                "spec_decode_num_accepted_tokens_per_pos",
                 "Draft tokens accepted, by their position in the draft.",
                 labels=["model_name", "engine", "position"],
             )
@@ -176,7 +218,7 @@ class EngineStatsCollector(Collector):
             if key in engines[0]:
                 yield self._per_engine(GaugeMetricFamily, name, doc, engines, key)
         usage = GaugeMetricFamily(
-            "tokenmill:kv_cache_usage_perc",
+            "kv_cache_usage_perc",
             "Fraction of KV-cache blocks in use.",
             labels=["model_name", "engine"],
         )
@@ -189,32 +231,42 @@ class EngineStatsCollector(Collector):
     def _per_engine(
         self, family: type, name: str, doc: str, engines: list[dict[str, int]], key: str
     ) -> Metric:
-        metric = family(f"tokenmill:{name}", doc, labels=["model_name", "engine"])
+        metric = family(name, doc, labels=["model_name", "engine"])
         for engine, stats in enumerate(engines):
             metric.add_metric([self.model_name, str(engine)], stats[key])
         return metric
 
 
 class PrometheusMetrics:
-    """One registry per server; ``record_finished`` makes it an ``AsyncLLM`` stat logger.
-    ``get_stats`` and ``get_engine_stats`` are the engine's (``AsyncLLM``'s methods)."""
+    """One registry per server; ``record_finished`` and ``record_iteration`` make it an
+    ``AsyncLLM`` stat logger. ``get_stats`` and ``get_engine_stats`` are the engine's
+    (``AsyncLLM``'s methods); ``names``: ``--metrics-names``; ``max_model_len`` bounds the
+    buckets of token counts."""
 
     def __init__(
         self,
         get_stats: Callable[[], dict[str, int]],
         get_engine_stats: Callable[[], list[dict[str, int]]],
         model_name: str,
+        names: str,
+        max_model_len: int,
     ) -> None:
+        if names not in PREFIXES:
+            raise ValueError(f"--metrics-names must be one of {', '.join(PREFIXES)}, got {names!r}")
         disable_created_metrics()
         self.model_name = model_name
+        self.names = names
         self.registry = CollectorRegistry()
-        labels = ["model_name"]
-        self.request_success = Counter(
-            "tokenmill:request_success",
-            "Finished requests, by finish reason.",
-            labels + ["finished_reason"],
-            registry=self.registry,
-        )
+        self.request_success = [
+            Counter(
+                full_name,
+                "Finished requests, by finish reason.",
+                ["model_name", "finished_reason"],
+                registry=self.registry,
+            )
+            for full_name in series_names("request_success", names)
+        ]
+        token_buckets = build_1_2_5_buckets(max_model_len)
         self.ttft = self._histogram(
             "time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS
         )
@@ -229,22 +281,56 @@ class PrometheusMetrics:
         self.queue_time = self._histogram(
             "request_queue_time_seconds", "Time from arrival to first scheduling.", LATENCY_BUCKETS
         )
-        self.registry.register(EngineStatsCollector(get_stats, get_engine_stats, model_name))
+        self.prompt_tokens = self._histogram(
+            "request_prompt_tokens", "Prompt tokens of a request.", token_buckets
+        )
+        self.generation_tokens = self._histogram(
+            "request_generation_tokens", "Tokens a request generated.", token_buckets
+        )
+        self.params_n = self._histogram("request_params_n", "The n request parameter.", N_BUCKETS)
+        self.params_max_tokens = self._histogram(
+            "request_params_max_tokens", "The max_tokens request parameter.", token_buckets
+        )
+        self.max_generation_tokens = self._histogram(
+            "request_max_num_generation_tokens",
+            "Most tokens a request may generate (its max_tokens).",
+            token_buckets,
+        )
+        self.iteration_tokens = self._histogram(
+            "iteration_tokens_total", "Tokens per engine step.", ITERATION_TOKENS_BUCKETS
+        )
+        self.registry.register(EngineStatsCollector(get_stats, get_engine_stats, model_name, names))
 
-    def _histogram(self, name: str, doc: str, buckets: list[float]) -> Histogram:
-        return Histogram(
-            f"tokenmill:{name}", doc, ["model_name"], buckets=buckets, registry=self.registry
-        ).labels(self.model_name)
+    def _histogram(self, name: str, doc: str, buckets: list[float]) -> list[Histogram]:
+        return [
+            Histogram(
+                full_name, doc, ["model_name"], buckets=buckets, registry=self.registry
+            ).labels(self.model_name)
+            for full_name in series_names(name, self.names)
+        ]
 
     def record_finished(self, stats: RequestStats) -> None:
-        self.request_success.labels(self.model_name, stats.finish_reason).inc()
-        self.e2e.observe(stats.e2e_latency)
-        if stats.time_to_first_token is not None:
-            self.ttft.observe(stats.time_to_first_token)
-        if stats.time_per_output_token is not None:
-            self.tpot.observe(stats.time_per_output_token)
-        if stats.queue_time is not None:
-            self.queue_time.observe(stats.queue_time)
+        for counter in self.request_success:
+            counter.labels(self.model_name, stats.finish_reason).inc()
+        observations = [
+            (self.e2e, stats.e2e_latency),
+            (self.ttft, stats.time_to_first_token),
+            (self.tpot, stats.time_per_output_token),
+            (self.queue_time, stats.queue_time),
+            (self.prompt_tokens, stats.num_prompt_tokens),
+            (self.generation_tokens, stats.num_generation_tokens),
+            (self.params_n, stats.n),
+            (self.params_max_tokens, stats.max_tokens),
+            (self.max_generation_tokens, stats.max_tokens),
+        ]
+        for histograms, value in observations:
+            if value is not None:
+                for histogram in histograms:
+                    histogram.observe(value)
+
+    def record_iteration(self, num_tokens: int) -> None:
+        for histogram in self.iteration_tokens:
+            histogram.observe(num_tokens)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

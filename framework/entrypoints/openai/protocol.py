@@ -50,26 +50,17 @@ StopStrings = Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)]
 VLLM_UNIMPLEMENTED_DEFAULTS: dict[str, Any] = {
     "use_beam_search": False,
     "length_penalty": 1.0,
-    "truncate_prompt_tokens": None,
     "spaces_between_special_tokens": True,
-    "priority": 0,
-    "return_tokens_as_token_ids": None,
-    "return_token_ids": None,
     "logits_processors": None,
     "guided_decoding_backend": None,
     "guided_whitespace_pattern": None,
     "kv_transfer_params": None,
     "vllm_xargs": None,
-    "echo": False,
-    "continue_final_message": False,
     "chat_template": None,
-    "chat_template_kwargs": None,
-    "documents": None,
     "mm_processor_kwargs": None,
 }
 """vLLM request fields this engine does not implement, with the values that change nothing
-(any other value is refused). Endpoint fields of the same name take precedence."""
-
+(any other value is refused; docs/vllm_compatibility.md gives each one's reason)."""
 
 class OpenAIModel(BaseModel):
     """A request body (or part of one): strict types, no unknown fields, and text that is
@@ -217,6 +208,19 @@ class SamplingFields(OpenAIModel):
     allowed_token_ids: Annotated[list[int], Field(max_length=MAX_TOKEN_ID_ENTRIES)] | None = None
     bad_words: Annotated[list[str], Field(max_length=MAX_BAD_WORDS)] | None = None
     prompt_logprobs: int | None = None
+    return_token_ids: bool | None = None
+    """vLLM's: each choice carries ``prompt_token_ids`` and ``token_ids``."""
+    return_tokens_as_token_ids: bool | None = None
+    """vLLM's: logprob tokens are spelled ``token_id:<id>``; None: the server's
+    ``--return-tokens-as-token-ids``."""
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
+    """vLLM's: keep only this many prompt tokens (-1: ``max_model_len``), cut on
+    ``truncation_side``."""
+    truncation_side: Literal["left", "right"] = "left"
+    """Which end ``truncate_prompt_tokens`` cuts: ``left`` keeps the last tokens (vLLM's
+    default)."""
+    priority: int = 0
+    """vLLM's: lower runs first under ``--scheduling-policy priority``."""
     user: str | None = None
     cache_salt: Annotated[str, Field(max_length=MAX_CACHE_SALT_CHARS)] | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -284,20 +288,36 @@ class ToolCall(OpenAIModel):
 
 
 class ChatMessage(OpenAIModel):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    """One chat message. As in vLLM, any role is taken (the chat template decides what it
+    means) and fields this server does not know are left out of the template's input."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    role: str
     content: str | list[TextContentPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
     tool_calls: list[ToolCall] | None = None
     refusal: str | None = None
 
-    def to_template_dict(self) -> dict[str, Any]:
-        """The message as chat templates expect it: text parts joined into one string, tool
-        call arguments as objects (as HF chat templates render them)."""
-        content = self.content
-        if isinstance(content, list):
-            content = "\n".join(part.text for part in content)
-        message: dict[str, Any] = {"role": self.role, "content": content or ""}
+    def text(self) -> str:
+        """The content as one string (text parts joined by newlines)."""
+        if isinstance(self.content, list):
+            return "\n".join(part.text for part in self.content)
+        return self.content or ""
+
+    def to_template_dict(self, content_format: str = "string") -> dict[str, Any]:
+        """The message as chat templates expect it: the content as one string (``string``) or
+        as a list of ``{"type": "text", "text"}`` parts (``openai``); tool call arguments as
+        objects (as HF chat templates render them)."""
+        content: Any = self.text()
+        if content_format == "openai":
+            parts = self.content if isinstance(self.content, list) else None
+            content = (
+                [p.model_dump() for p in parts] if parts is not None
+                else [{"type": "text", "text": content}]
+            )
+        message: dict[str, Any] = {"role": self.role, "content": content}
         if self.name is not None:
             message["name"] = self.name
         if self.tool_call_id is not None:
@@ -347,6 +367,14 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool | None = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    """vLLM's: the reply continues the last (assistant) message instead of starting one."""
+    echo: bool = False
+    """vLLM's: the reply starts with the last message's content when it has the reply's role."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """vLLM's: extra variables for the chat template."""
+    documents: list[dict[str, str]] | None = None
+    """vLLM's: documents for retrieval-augmented templates (the template's ``documents``)."""
     tools: list[ChatCompletionToolsParam] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -369,6 +397,10 @@ class CompletionResponseChoice(BaseModel):
     stop_reason: int | str | None = None
     prompt_logprobs: PromptLogprobs | None = None
     """vLLM's extension: the prompt's ``Logprob``s by token id, when ``prompt_logprobs`` asks."""
+    prompt_token_ids: list[int] | None = None
+    """vLLM's ``return_token_ids``: the prompt's token ids."""
+    token_ids: list[int] | None = None
+    """vLLM's ``return_token_ids``: the generated token ids."""
 
 
 class CompletionResponse(BaseModel):
@@ -418,6 +450,8 @@ class ChatCompletionResponseChoice(BaseModel):
     logprobs: ChatCompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+    """vLLM's ``return_token_ids``: the generated token ids."""
 
 
 class ChatCompletionResponse(BaseModel):
@@ -430,6 +464,8 @@ class ChatCompletionResponse(BaseModel):
     system_fingerprint: str | None = None
     prompt_logprobs: PromptLogprobs | None = None
     """vLLM's extension: the prompt's ``Logprob``s by token id, when ``prompt_logprobs`` asks."""
+    prompt_token_ids: list[int] | None = None
+    """vLLM's ``return_token_ids``: the prompt's token ids (after the chat template)."""
 
 
 class _DropNone(BaseModel):
@@ -468,6 +504,8 @@ class ChatCompletionStreamChoice(BaseModel):
     logprobs: ChatCompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+    """vLLM's ``return_token_ids``: the token ids this chunk adds."""
 
 
 class ChatCompletionStreamResponse(BaseModel):
@@ -478,6 +516,8 @@ class ChatCompletionStreamResponse(BaseModel):
     choices: list[ChatCompletionStreamChoice]
     usage: UsageInfo | None = None
     system_fingerprint: str | None = None
+    prompt_token_ids: list[int] | None = None
+    """vLLM's ``return_token_ids``: the prompt's token ids, on the first chunk."""
 
 
 class TokenizeCompletionRequest(OpenAIModel):
@@ -496,6 +536,10 @@ class TokenizeChatRequest(OpenAIModel):
     model: str | None = None
     messages: Annotated[list[ChatMessage], Field(max_length=MAX_MESSAGES)]
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, str]] | None = None
+    tools: list[ChatCompletionToolsParam] | None = None
     add_special_tokens: bool = False
     return_token_strs: bool | None = False
 
@@ -540,3 +584,12 @@ class LoadLoRAAdapterRequest(OpenAIModel):
 
 class UnloadLoRAAdapterRequest(OpenAIModel):
     lora_name: str
+
+
+class TokenizerInfoResponse(BaseModel):
+    """``GET /tokenizer_info`` (vLLM's): the tokenizer's class and its settings
+    (``init_kwargs``, values JSON cannot hold as text), with the chat template in use."""
+
+    model_config = ConfigDict(extra="allow")
+
+    tokenizer_class: str

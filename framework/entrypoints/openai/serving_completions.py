@@ -20,11 +20,13 @@ from tokenmill.entrypoints.openai.protocol import (
 from tokenmill.entrypoints.openai.serving_engine import (
     OpenAIServing,
     merge_streams,
+    top_count,
     usage_options,
 )
 from tokenmill.entrypoints.openai.structured_outputs import structured_outputs_of
 from tokenmill.logprobs import Logprob, PromptLogprobs
 from tokenmill.outputs import CompletionOutput
+from tokenmill.sampling_params import ALL_LOGPROBS
 
 Prompt = tuple[str | None, list[int]]
 
@@ -35,17 +37,35 @@ class OpenAIServingCompletion(OpenAIServing):
     ) -> CompletionResponse | AsyncIterator[str]:
         """The response, or for ``stream`` the server-sent events; raises ``OpenAIError``."""
         lora_request = self.check_request(request)
-        prompts = [await self.tokenize(p, "prompt") for p in _split_prompts(request.prompt)]
+        prompts = [
+            await self.tokenize(p, "prompt", request) for p in _split_prompts(request.prompt)
+        ]
+        prompt_positions = output_positions = 0
         for _, ids in prompts:
             self.check_context(len(ids), request.max_tokens)
+            prompt_positions += len(ids)
+            max_tokens = request.max_tokens or self.engine.max_model_len - len(ids)
+            output_positions += request.n * max_tokens + (len(ids) if request.echo else 0)
+        self.check_all_logprobs("prompt_logprobs", request.prompt_logprobs, prompt_positions)
+        self.check_all_logprobs("logprobs", request.logprobs, output_positions)
         params = self.sampling_params(
             request, request.max_tokens, request.logprobs, structured_outputs_of(request)
         )
         if request.echo and request.logprobs is not None:
-            params.prompt_logprobs = max(params.prompt_logprobs or 0, request.logprobs)
+            params.prompt_logprobs = (
+                ALL_LOGPROBS
+                if ALL_LOGPROBS in (request.logprobs, params.prompt_logprobs)
+                else max(params.prompt_logprobs or 0, request.logprobs)
+            )
         request_id = f"cmpl-{uuid.uuid4().hex}"
         streams = await self.start(
-            prompts, params, request_id, bool(request.stream), request.cache_salt, lora_request
+            prompts,
+            params,
+            request_id,
+            bool(request.stream),
+            request.cache_salt,
+            lora_request,
+            request.priority,
         )
         if request.stream:
             return self._stream(request, request_id, prompts, streams)
@@ -59,6 +79,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 choice = self._choice(request, i, c, prompts[i], 0, request.echo, echo)
                 if request.prompt_logprobs is not None:
                     choice.prompt_logprobs = output.prompt_logprobs
+                if request.return_token_ids:
+                    choice.prompt_token_ids = prompts[i][1]
                 choices.append(choice)
         num_prompt = sum(len(ids) for _, ids in prompts)
         num_cached = sum(output.num_cached_tokens for output in outputs)
@@ -89,7 +111,9 @@ class OpenAIServingCompletion(OpenAIServing):
         num_generated = 0
         num_cached: dict[int, int] = {}
         prompt_logprobs: dict[int, PromptLogprobs] = {}
-        include_usage, continuous_usage = usage_options(request)
+        include_usage, continuous_usage = usage_options(
+            request, self.options.enable_force_include_usage
+        )
         try:
             async for i, output in merge_streams(streams):
                 num_cached[i] = output.num_cached_tokens
@@ -99,7 +123,10 @@ class OpenAIServingCompletion(OpenAIServing):
                     num_generated += len(c.token_ids)
                     index = i * request.n + c.index
                     first = index not in offsets
-                    if not (c.text or c.finish_reason or first and request.echo or c.logprobs):
+                    ids_due = request.return_token_ids and (first or c.token_ids)
+                    if not (
+                        c.text or c.finish_reason or first and request.echo or c.logprobs or ids_due
+                    ):
                         continue
                     echo = first and request.echo
                     choice = self._choice(
@@ -112,6 +139,8 @@ class OpenAIServingCompletion(OpenAIServing):
                         prompt_logprobs.get(i) if echo else None,
                     )
                     offsets[index] = offsets.get(index, 0) + len(choice.text)
+                    if request.return_token_ids and first:
+                        choice.prompt_token_ids = prompts[i][1]
                     usage = None
                     if continuous_usage:
                         usage = UsageInfo.of(num_prompt, num_generated, sum(num_cached.values()))
@@ -142,17 +171,21 @@ class OpenAIServingCompletion(OpenAIServing):
         logprobs = None
         if request.logprobs is not None and c.logprobs is not None:
             logprobs = CompletionLogProbs()
+            as_id = self.as_token_ids(request)
             if echo:
                 steps = prompt_logprobs or [None] * len(prompt[1])
-                self._add_logprobs(logprobs, prompt[1], steps, offset, request.logprobs)
+                self._add_logprobs(logprobs, prompt[1], steps, offset, request.logprobs, as_id)
             output_offset = offset + len(text) - len(c.text)
-            self._add_logprobs(logprobs, c.token_ids, c.logprobs, output_offset, request.logprobs)
+            self._add_logprobs(
+                logprobs, c.token_ids, c.logprobs, output_offset, request.logprobs, as_id
+            )
         return CompletionResponseChoice(
             index=prompt_index * request.n + c.index,
             text=text,
             logprobs=logprobs,
             finish_reason=c.finish_reason,
             stop_reason=c.stop_reason,
+            token_ids=list(c.token_ids) if request.return_token_ids else None,
         )
 
     def prompt_text(self, prompt: Prompt) -> str:
@@ -169,11 +202,13 @@ class OpenAIServingCompletion(OpenAIServing):
         steps: list[dict[int, Logprob] | None],
         offset: int,
         num: int,
+        as_id: bool,
     ) -> None:
         """Append OpenAI's logprobs of ``token_ids``: each token, its logprob and the ``num``
-        most likely tokens (plus the token itself); null where its step is None."""
+        most likely tokens (-1: all; plus the token itself); null where its step is None.
+        ``as_id``: tokens spelled ``token_id:<id>``."""
         for token_id, step in zip(token_ids, steps):
-            token = self.token_text(token_id)
+            token = self.token_text(token_id, as_id)
             out.tokens.append(token)
             out.text_offset.append(offset)
             offset += len(token)
@@ -182,10 +217,11 @@ class OpenAIServingCompletion(OpenAIServing):
                 out.top_logprobs.append(None)
                 continue
             out.token_logprobs.append(step[token_id].logprob if token_id in step else None)
-            top = sorted(step.items(), key=lambda kv: kv[1].logprob, reverse=True)[:num]
+            top = sorted(step.items(), key=lambda kv: kv[1].logprob, reverse=True)
+            top = top[: top_count(num)]
             if token_id not in dict(top) and token_id in step:
                 top.append((token_id, step[token_id]))
-            out.top_logprobs.append({self.token_text(t): lp.logprob for t, lp in top})
+            out.top_logprobs.append({self.token_text(t, as_id): lp.logprob for t, lp in top})
 
 
 def _split_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:

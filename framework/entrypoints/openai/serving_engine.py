@@ -11,10 +11,17 @@ from tokenmill.engine.async_llm import AsyncLLM, RequestStream
 from tokenmill.engine.output_processor import RequestOutputKind
 from tokenmill.entrypoints.openai.errors import OpenAIError, from_exception
 from tokenmill.entrypoints.openai.protocol import SamplingFields
+from tokenmill.entrypoints.openai.server_options import ServerOptions
 from tokenmill.entrypoints.openai.serving_models import ServedModels
 from tokenmill.lora.request import LoRARequest
 from tokenmill.outputs import RequestOutput
-from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
+from tokenmill.sampling_params import ALL_LOGPROBS, SamplingParams, StructuredOutputsParams
+
+MAX_ALL_LOGPROB_ENTRIES = 2**18
+"""Most logprob entries (positions times vocabulary) a request asking for the whole
+vocabulary (``-1``) may get: each entry costs the front end Python objects and 40-80 bytes
+of JSON (two positions of a 49,152-token vocabulary took seconds on a loaded CPU), so this
+bounds one such response near 20 MB: 5 positions of that vocabulary."""
 
 SAMPLING_FIELDS = (
     "n",
@@ -53,9 +60,10 @@ class OpenAIServing:
     """Base of the endpoint handlers: one engine, served under the base model's names and
     the names of its LoRA adapters (``models``)."""
 
-    def __init__(self, engine: AsyncLLM, models: ServedModels) -> None:
+    def __init__(self, engine: AsyncLLM, models: ServedModels, options: ServerOptions | None = None) -> None:
         self.engine = engine
         self.models = models
+        self.options = options or ServerOptions()
         self._token_texts: dict[int, str] = {}
 
     def check_request(self, request: SamplingFields) -> LoRARequest | None:
@@ -66,6 +74,10 @@ class OpenAIServing:
         if unsupported:
             name, value = next(iter(unsupported.items()))
             raise OpenAIError(f"{name}={value!r} is not supported by this server", param=name)
+        if request.priority != 0 and self.engine.config.scheduling_policy != "priority":
+            raise OpenAIError(
+                "priority needs the server's --scheduling-policy priority", param="priority"
+            )
         if request.stream_options is not None and not request.stream:
             raise OpenAIError(
                 "stream_options is only allowed when stream is true", param="stream_options"
@@ -109,15 +121,69 @@ class OpenAIServing:
                 message = max_tokens_param + message.removeprefix("max_tokens")
             raise from_exception(ValueError(message), PARAM_NAMES + (max_tokens_param,)) from None
 
-    async def tokenize(self, prompt: str | list[int], param: str) -> tuple[str | None, list[int]]:
-        """Text and token ids of a prompt, checked against the vocabulary and context (off
-        the event loop)."""
-        if not isinstance(prompt, str):
-            prompt = {"prompt_token_ids": prompt}
+    async def tokenize(
+        self, prompt: str | list[int], param: str, request: SamplingFields
+    ) -> tuple[str | None, list[int]]:
+        """Text and token ids of a prompt, cut to ``truncate_prompt_tokens`` and checked
+        against the vocabulary and context (off the event loop). A cut prompt has no text."""
+        text = prompt if isinstance(prompt, str) else None
         try:
-            return await self.engine.run_off_loop(self.engine.tokenize_prompt, prompt)
+            if request.truncate_prompt_tokens is None:
+                engine_prompt = text if text is not None else {"prompt_token_ids": prompt}
+                return await self.engine.run_off_loop(self.engine.tokenize_prompt, engine_prompt)
+            ids = prompt if text is None else await self.engine.run_off_loop(self._encode, text)
+            cut = self.truncate(ids, request)
+            if len(cut) < len(ids):
+                text = None
+            engine_prompt = {"prompt": text, "prompt_token_ids": cut}
+            return await self.engine.run_off_loop(self.engine.tokenize_prompt, engine_prompt)
         except ValueError as e:
             raise OpenAIError(str(e), param=param) from None
+
+    def _encode(self, text: str) -> list[int]:
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise ValueError("this model has no tokenizer; send token ids")
+        return tokenizer.encode(text)
+
+    def truncate(self, ids: list[int], request: SamplingFields) -> list[int]:
+        """The prompt cut to ``truncate_prompt_tokens`` (vLLM's: -1 is ``max_model_len``) on
+        ``truncation_side``."""
+        keep = request.truncate_prompt_tokens
+        if keep is None:
+            return ids
+        limit = self.engine.max_model_len
+        if keep == -1:
+            keep = limit
+        if keep > limit:
+            raise OpenAIError(
+                f"truncate_prompt_tokens ({keep}) must be <= max_model_len ({limit})",
+                param="truncate_prompt_tokens",
+            )
+        if len(ids) <= keep:
+            return ids
+        return ids[len(ids) - keep :] if request.truncation_side == "left" else ids[:keep]
+
+    def check_all_logprobs(self, param: str, value: int | None, positions: int) -> None:
+        """A 400 when ``value`` asks for the whole vocabulary at more positions than
+        ``MAX_ALL_LOGPROB_ENTRIES`` allows."""
+        if value != ALL_LOGPROBS:
+            return
+        vocab = self.engine.vocab_size
+        if positions * vocab > MAX_ALL_LOGPROB_ENTRIES:
+            raise OpenAIError(
+                f"{param}=-1 asks for the whole vocabulary ({vocab} tokens) at {positions} "
+                f"positions; at most {MAX_ALL_LOGPROB_ENTRIES} entries (positions x vocabulary) "
+                "are returned per request",
+                param=param,
+            )
+
+    def as_token_ids(self, request: SamplingFields) -> bool:
+        """Whether logprob tokens are spelled ``token_id:<id>`` (the request's choice, else
+        the server's ``--return-tokens-as-token-ids``)."""
+        if request.return_tokens_as_token_ids is not None:
+            return request.return_tokens_as_token_ids
+        return self.options.return_tokens_as_token_ids
 
     def check_context(
         self, num_prompt_tokens: int, max_tokens: int | None, param: str = "max_tokens"
@@ -142,6 +208,7 @@ class OpenAIServing:
         stream: bool,
         cache_salt: str | None = None,
         lora_request: LoRARequest | None = None,
+        priority: int = 0,
     ) -> list[RequestStream]:
         """Add one engine request per prompt; if one is refused, abort the others."""
         kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
@@ -150,7 +217,9 @@ class OpenAIServing:
             for i, (text, ids) in enumerate(prompts):
                 prompt = {"prompt": text, "prompt_token_ids": ids, "cache_salt": cache_salt}
                 streams.append(
-                    await self.engine.add_request(prompt, params, f"{request_id}-{i}", kind, lora_request)
+                    await self.engine.add_request(
+                        prompt, params, f"{request_id}-{i}", kind, lora_request, priority
+                    )
                 )
         except Exception as e:
             self.abort_unfinished(streams)
@@ -169,8 +238,10 @@ class OpenAIServing:
         finally:
             self.abort_unfinished(streams)
 
-    def token_text(self, token_id: int) -> str:
-        """The text of one token, as logprobs report it."""
+    def token_text(self, token_id: int, as_id: bool = False) -> str:
+        """The text of one token, as logprobs report it (``as_id``: ``token_id:<id>``)."""
+        if as_id:
+            return f"token_id:{token_id}"
         text = self._token_texts.get(token_id)
         if text is None:
             tokenizer = self.engine.tokenizer
@@ -179,13 +250,18 @@ class OpenAIServing:
         return text
 
 
-def usage_options(request: SamplingFields) -> tuple[bool, bool]:
-    """Whether a stream ends with a usage chunk (``include_usage``), and whether every chunk
-    also carries the usage so far (``continuous_usage_stats``, which, as in vLLM, needs
-    ``include_usage``)."""
+def usage_options(request: SamplingFields, force: bool = False) -> tuple[bool, bool]:
+    """Whether a stream ends with a usage chunk (``include_usage``, or ``force``: the
+    server's ``--enable-force-include-usage``), and whether every chunk also carries the
+    usage so far (``continuous_usage_stats``, which, as in vLLM, needs ``include_usage``)."""
     options = request.stream_options
-    include = bool(options and options.include_usage)
+    include = bool(options and options.include_usage) or force
     return include, include and bool(options and options.continuous_usage_stats)
+
+
+def top_count(num: int) -> int | None:
+    """How many of a position's logprobs to report, as a slice end (None: all of them)."""
+    return None if num == ALL_LOGPROBS else num
 
 
 async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:

@@ -2,18 +2,30 @@
 
 from __future__ import annotations
 
+import json
+
+from tokenmill.engine.async_llm import AsyncLLM
+from tokenmill.entrypoints.openai.chat_template import ChatRenderer
 from tokenmill.entrypoints.openai.errors import OpenAIError
 from tokenmill.entrypoints.openai.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
+    TokenizerInfoResponse,
     TokenizeResponse,
 )
+from tokenmill.entrypoints.openai.serving_models import ServedModels
 from tokenmill.entrypoints.openai.serving_engine import OpenAIServing
 
 
 class OpenAIServingTokenization(OpenAIServing):
+    def __init__(
+        self, engine: AsyncLLM, models: ServedModels, renderer: ChatRenderer
+    ) -> None:
+        super().__init__(engine, models)
+        self.renderer = renderer
+
     def tokenize_request(
         self, request: TokenizeCompletionRequest | TokenizeChatRequest
     ) -> TokenizeResponse:
@@ -21,16 +33,14 @@ class OpenAIServingTokenization(OpenAIServing):
         ``OpenAIError``."""
         tokenizer = self._tokenizer(request.model)
         if isinstance(request, TokenizeChatRequest):
-            if not request.messages:
-                raise OpenAIError("messages must not be empty", param="messages")
-            try:
-                text = tokenizer.apply_chat_template(
-                    [m.to_template_dict() for m in request.messages],
-                    add_generation_prompt=request.add_generation_prompt,
-                    tokenize=False,
-                )
-            except Exception as e:
-                raise OpenAIError(f"cannot apply the chat template: {e}", param="messages") from None
+            text = self.renderer.render(
+                request.messages,
+                request.tools,
+                request.add_generation_prompt,
+                request.continue_final_message,
+                request.chat_template_kwargs,
+                request.documents,
+            )
         else:
             text = request.prompt
         ids = tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
@@ -40,6 +50,16 @@ class OpenAIServingTokenization(OpenAIServing):
             max_model_len=self.engine.max_model_len,
             token_strs=tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else None,
         )
+
+    def tokenizer_info(self, _: None = None) -> TokenizerInfoResponse:
+        """The tokenizer's class and settings, and the chat template in use."""
+        tokenizer = self._tokenizer(None)
+        settings = json.loads(json.dumps(tokenizer.init_kwargs, default=str))
+        settings.pop("tokenizer_class", None)
+        settings["chat_template"] = self.renderer.template or getattr(
+            tokenizer, "chat_template", None
+        )
+        return TokenizerInfoResponse(tokenizer_class=type(tokenizer).__name__, **settings)
 
     def detokenize_request(self, request: DetokenizeRequest) -> DetokenizeResponse:
         """The text of token ids; an id outside the vocabulary is a 400."""

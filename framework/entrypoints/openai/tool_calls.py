@@ -81,29 +81,50 @@ def tool_constraint(request: ChatCompletionRequest, mode: str | None) -> Structu
         return StructuredOutputsParams(json=tool.function.parameters or EMPTY_PARAMETERS)
     if mode != "required":
         return None
-    items = [
-        {
-            "type": "object",
-            "properties": {
-                "name": {"type": "string", "enum": [t.function.name]},
-                "parameters": t.function.parameters or EMPTY_PARAMETERS,
-            },
-            "required": ["name", "parameters"],
-        }
-        for t in request.tools
-    ]
+    definitions: dict[str, Any] = {}
+    items = []
+    for t in request.tools:
+        parameters = dict(t.function.parameters or EMPTY_PARAMETERS)
+        for name, definition in parameters.pop("$defs", {}).items():
+            if definitions.setdefault(name, definition) != definition:
+                raise OpenAIError(
+                    f"tools define $defs.{name} differently; tool_choice=\"required\" needs "
+                    "each name in $defs to mean one schema",
+                    param="tools",
+                )
+        items.append(
+            {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string", "enum": [t.function.name]},
+                    "parameters": parameters,
+                },
+                "required": ["name", "parameters"],
+            }
+        )
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
+    if definitions:
+        # References ("#/$defs/...") resolve from the root of the schema they are in.
+        schema["$defs"] = definitions
     if request.parallel_tool_calls is False:
         schema["maxItems"] = 1
     return StructuredOutputsParams(json=schema)
 
 
 def extract(
-    request: ChatCompletionRequest, mode: str | None, parser: ToolParser | None, text: str
+    request: ChatCompletionRequest,
+    mode: str | None,
+    parser: ToolParser | None,
+    text: str,
+    reason: str | None = None,
 ) -> tuple[str | None, list[ToolCall]]:
-    """The content and tool calls of a finished output."""
+    """The content and tool calls of a finished output (``reason``: its finish reason). A
+    named call cut short (``length``) before its arguments are whole JSON is left out, as
+    OpenAI leaves it out."""
     if mode == "named":
         assert isinstance(request.tool_choice, NamedToolChoice)
+        if reason == "length" and not _is_json(text):
+            return None, []
         name = request.tool_choice.function.name
         return None, [ToolCall(function=FunctionCall(name=name, arguments=text))]
     if mode == "required":
@@ -199,6 +220,14 @@ def _required_calls(text: str, pos: int) -> tuple[list[ToolCall], int]:
         arguments = json.dumps(obj.get("parameters", {}), ensure_ascii=False)
         calls.append(ToolCall(function=FunctionCall(name=obj["name"], arguments=arguments)))
         pos = end
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    return True
 
 
 def _skip(text: str, pos: int, chars: str) -> int:

@@ -44,6 +44,8 @@ class ToolParser(ABC):
 
     start_marker: str = ""
     """The text that opens the tool-call section, held back while it may be forming."""
+    other_start_markers: tuple[str, ...] = ()
+    """Other texts that may open it, held back likewise."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
@@ -80,7 +82,9 @@ class ToolParser(ABC):
         state = self._streams.setdefault(index, _StreamState())
         start = self.find_start(current_text)
         if start is None:
-            visible = _without_marker_prefix(current_text, self.start_marker)
+            visible = _without_marker_prefix(
+                current_text, (self.start_marker, *self.other_start_markers)
+            )
             calls: list[dict[str, Any]] = []
         else:
             visible = current_text[:start]
@@ -107,10 +111,10 @@ class ToolParser(ABC):
         return state.calls_sent if state else 0
 
 
-def _without_marker_prefix(text: str, marker: str) -> str:
-    """``text`` less a tail that could be the beginning of ``marker``."""
-    for n in range(min(len(marker), len(text)), 0, -1):
-        if marker.startswith(text[-n:]):
+def _without_marker_prefix(text: str, markers: tuple[str, ...]) -> str:
+    """``text`` less the longest tail that could be the beginning of one of ``markers``."""
+    for n in range(min(max(map(len, markers)), len(text)), 0, -1):
+        if any(marker.startswith(text[-n:]) for marker in markers):
             return text[:-n]
     return text
 
