@@ -16,7 +16,7 @@ from tokenmill.engine.async_llm import AsyncLLM
 from tokenmill.entrypoints.openai.metrics import PrometheusMetrics
 from tokenmill.sampling_params import SamplingParams
 
-DASHBOARD = Path(__file__).resolve().parents[1] / "docs" / "grafana" / "tokenmill.json"
+DASHBOARD = Path(__file__).resolve().parents[2] / "docs" / "grafana" / "tokenmill.json"
 METRIC = re.compile(r"tokenmill:[A-Za-z0-9_:]+")
 
 
@@ -32,7 +32,7 @@ def rendered_names(tmp_path) -> set[str]:
     engine = AsyncLLM.from_engine_args(
         model=path, engine_process=False, num_kv_blocks=32, block_size=8, max_model_len=64
     )
-    metrics = PrometheusMetrics(engine.get_stats, engine.get_engine_stats, "tiny")
+    metrics = PrometheusMetrics(engine.get_stats, engine.get_engine_stats, "tiny", "both", 64)
     engine.stat_loggers.append(metrics)
 
     async def run() -> None:

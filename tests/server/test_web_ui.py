@@ -24,7 +24,7 @@ from tokenmill import cli
 from tokenmill.entrypoints import serve
 from tokenmill.entrypoints.web_ui import PAGES, WEB_DIR, web_files
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 KEY = "sekrit-key"
 ASSETS = sorted(f"/ui/{name}" for name in web_files() if not name.endswith(".html"))
 

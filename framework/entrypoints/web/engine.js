@@ -22,7 +22,13 @@ function parseMetrics(text) {
     for (const l of (m[2] || "").matchAll(label)) labels[l[1]] = l[2];
     out.push({ name: m[1], labels, value: Number(m[3]) });
   }
-  return out;
+  // Under --metrics-names vllm a series has only its vllm: name; read it as the tokenmill: one.
+  const own = new Set(out.filter((m) => m.name.startsWith("tokenmill:")).map((m) => m.name));
+  return out.flatMap((m) => {
+    if (!m.name.startsWith("vllm:")) return [m];
+    const name = "tokenmill:" + m.name.slice("vllm:".length);
+    return own.has(name) ? [] : [{ ...m, name }];
+  });
 }
 
 function sum(metrics, name) {
