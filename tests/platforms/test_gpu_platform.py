@@ -105,7 +105,7 @@ def test_decode_graphs_are_the_platforms_decision(monkeypatch, platform, enforce
     to one size: the device here is the CPU)."""
     for cls in (CudaGraphRunner, CpuGraphRunner):
         monkeypatch.setattr(cls, "capture", lambda self: self.graphs.update({1: None}))
-    config = EngineConfig(enforce_eager=enforce_eager)
+    config = EngineConfig(enforce_eager=enforce_eager, max_model_len=64)
     config.platform_cls = platform
     runner = DecodeGraphRunner.create(config, nn.Identity(), _CapturableBuilder(), 4, torch.device("cpu"))
     assert (runner and type(runner)) is runner_cls

@@ -2,7 +2,7 @@
 driven by selenium through the system ``/usr/bin/chromedriver``) against one
 ``tokenmill serve --api-key`` subprocess with the default model.
 
-Screenshots of both pages go to ``$TOKENMILL_SCREENSHOT_DIR`` if set, else to a
+Screenshots of both pages go to ``$WEB_UI_SCREENSHOT_DIR`` if set, else to a
 ``screenshots`` folder under pytest's temporary directory."""
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def browser() -> Iterator[WebDriver]:
 
 @pytest.fixture(scope="module")
 def screenshots(tmp_path_factory) -> Path:
-    given = os.environ.get("TOKENMILL_SCREENSHOT_DIR")
+    given = os.environ.get("WEB_UI_SCREENSHOT_DIR")
     folder = Path(given) if given else tmp_path_factory.mktemp("screenshots")
     folder.mkdir(parents=True, exist_ok=True)
     return folder
