@@ -1,5 +1,5 @@
 """Prometheus metrics named as vLLM's, under ``tokenmill:``, vLLM's ``vllm:`` or both
-(``--metrics-names``; series vLLM has no counterpart of, ``TOKENMILL_ONLY``, are always
+(``--metrics-names``; series vLLM has no counterpart of, ``NO_VLLM_COUNTERPART``, are always
 ``tokenmill:``).
 
 Request histograms and the success counter are recorded as requests finish; the engine's
@@ -100,7 +100,7 @@ LATENCY_BUCKETS = [
 ITERATION_TOKENS_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 N_BUCKETS = [1, 2, 5, 10, 20]
 
-TOKENMILL_ONLY = frozenset({"kv_blocks_total", "kv_blocks_free", "num_requests_routed"})
+NO_VLLM_COUNTERPART = frozenset({"kv_blocks_total", "kv_blocks_free", "num_requests_routed"})
 """Series vLLM has no counterpart of: exported under ``tokenmill:`` whatever the names."""
 
 PREFIXES = {"tokenmill": ("tokenmill",), "vllm": ("vllm",), "both": ("tokenmill", "vllm")}
@@ -120,7 +120,7 @@ def build_1_2_5_buckets(limit: int) -> list[int]:
 
 def series_names(name: str, names: str) -> list[str]:
     """The exported names of series ``name`` (without prefix) under ``--metrics-names``."""
-    if name in TOKENMILL_ONLY:
+    if name in NO_VLLM_COUNTERPART:
         return [f"tokenmill:{name}"]
     return [f"{prefix}:{name}" for prefix in PREFIXES[names]]
 
