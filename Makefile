@@ -1,6 +1,6 @@
 PYTHON ?= python3
 
-.PHONY: install install-test demo lint test test-fast
+.PHONY: install install-test demo lint test test-all
 
 # Runtime dependencies only.
 install:
@@ -18,8 +18,11 @@ lint:
 	$(PYTHON) -m ruff check .
 
 # --fail-on-skip: a skipped test fails the run unless it is marked gpu (tests/conftest.py).
+# The suite CI runs: everything but the tests marked slow (more stress seeds, the long
+# speculative-decoding guard, lm-eval).
 test: install-test lint
-	$(PYTHON) -m pytest -q --fail-on-skip
-
-test-fast: install-test lint
 	$(PYTHON) -m pytest -q --fail-on-skip -m "not slow"
+
+# Everything, the slow tests included.
+test-all: install-test lint
+	$(PYTHON) -m pytest -q --fail-on-skip
