@@ -73,7 +73,7 @@ def test_unknown_engine_argument(tiny_dir):
         ({"min_p": 2}, "min_p"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"n": 0}, "n"),
-        ({"logprobs": -1}, "logprobs"),
+        ({"logprobs": -2}, "logprobs"),
         ({"temperature": "hot"}, "temperature"),
     ],
 )
