@@ -46,18 +46,25 @@ class ToolParser(ABC):
     """The text that opens the tool-call section, held back while it may be forming."""
     other_start_markers: tuple[str, ...] = ()
     """Other texts that may open it, held back likewise."""
+    markers_are_special_tokens: bool = False
+    """The format's markers are special tokens: requests with tools keep them in the text."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self._streams: dict[int, _StreamState] = {}
 
     def adjust_request(self, request: ChatCompletionRequest) -> ChatCompletionRequest:
-        """Change the request before it runs (e.g. keep special tokens the format uses)."""
+        """Change the request before it runs: by default, keep the special tokens the format
+        uses (``markers_are_special_tokens``) when the request has tools."""
+        if self.markers_are_special_tokens and request.tools and request.tool_choice != "none":
+            request.skip_special_tokens = False
         return request
 
-    @abstractmethod
     def find_start(self, text: str) -> int | None:
-        """Where the tool-call section of ``text`` starts, or None if it has not begun."""
+        """Where the tool-call section of ``text`` starts, or None if it has not begun: by
+        default, where ``start_marker`` first occurs."""
+        start = text.find(self.start_marker)
+        return None if start < 0 else start
 
     @abstractmethod
     def complete_calls(self, section: str) -> list[dict[str, Any]]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest
 from tokenmill.entrypoints.openai.tool_parsers.abstract_tool_parser import ToolParser
 from tokenmill.entrypoints.openai.tool_parsers.json_calls import json_calls
 
@@ -14,13 +13,8 @@ MARKERS = ("<|tool_call|>", "<tool_call>")
 
 class GraniteToolParser(ToolParser):
     start_marker = MARKERS[0]
+    markers_are_special_tokens = True
     other_start_markers = MARKERS[1:]
-
-    def adjust_request(self, request: ChatCompletionRequest) -> ChatCompletionRequest:
-        """Keep ``<|tool_call|>``, a special token, in the text."""
-        if request.tools and request.tool_choice != "none":
-            request.skip_special_tokens = False
-        return request
 
     def find_start(self, text: str) -> int | None:
         stripped = text.lstrip()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest
 from tokenmill.entrypoints.openai.tool_parsers.abstract_tool_parser import ToolParser
 from tokenmill.entrypoints.openai.tool_parsers.json_calls import json_calls
 
@@ -15,16 +14,7 @@ END = "<|action_end|>"
 
 class InternLM2ToolParser(ToolParser):
     start_marker = "<|action_start|>"
-
-    def adjust_request(self, request: ChatCompletionRequest) -> ChatCompletionRequest:
-        """Keep the action markers, special tokens, in the text."""
-        if request.tools and request.tool_choice != "none":
-            request.skip_special_tokens = False
-        return request
-
-    def find_start(self, text: str) -> int | None:
-        start = text.find(self.start_marker)
-        return None if start < 0 else start
+    markers_are_special_tokens = True
 
     def complete_calls(self, section: str) -> list[dict[str, Any]]:
         body = section[len(self.start_marker) :].lstrip().removeprefix(PLUGIN)

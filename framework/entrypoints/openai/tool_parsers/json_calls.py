@@ -1,5 +1,5 @@
 """Complete tool calls in text made of JSON call objects, alone or in JSON arrays, as several
-formats write them (Mistral, Granite, InternLM)."""
+formats write them (Llama 3, Mistral, Granite, InternLM)."""
 
 from __future__ import annotations
 

@@ -3,10 +3,10 @@ after ``<|python_tag|>``), several separated by ``;``."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-from tokenmill.entrypoints.openai.tool_parsers.abstract_tool_parser import ToolParser, parse_call
+from tokenmill.entrypoints.openai.tool_parsers.abstract_tool_parser import ToolParser
+from tokenmill.entrypoints.openai.tool_parsers.json_calls import json_calls
 
 PYTHON_TAG = "<|python_tag|>"
 
@@ -24,24 +24,4 @@ class Llama3JsonToolParser(ToolParser):
         text = section.strip()
         if text.startswith(PYTHON_TAG):
             text = text[len(PYTHON_TAG) :]
-        decoder = json.JSONDecoder()
-        calls = []
-        pos = 0
-        while True:
-            pos = _skip(text, pos, " \n\t;")
-            if pos >= len(text):
-                return calls
-            try:
-                obj, pos = decoder.raw_decode(text, pos)
-            except json.JSONDecodeError:
-                return calls
-            call = parse_call(obj, "parameters")
-            if call is None:
-                return calls
-            calls.append(call)
-
-
-def _skip(text: str, pos: int, chars: str) -> int:
-    while pos < len(text) and text[pos] in chars:
-        pos += 1
-    return pos
+        return json_calls(text, "parameters")

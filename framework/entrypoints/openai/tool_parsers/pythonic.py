@@ -7,7 +7,6 @@ from __future__ import annotations
 import ast
 from typing import Any
 
-from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest
 from tokenmill.entrypoints.openai.tool_parsers.abstract_tool_parser import ToolParser
 
 PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"
@@ -38,13 +37,8 @@ class PythonicToolParser(ToolParser):
 
 class Llama4PythonicToolParser(PythonicToolParser):
     start_marker = PYTHON_START
+    markers_are_special_tokens = True
     other_start_markers = ("[",)
-
-    def adjust_request(self, request: ChatCompletionRequest) -> ChatCompletionRequest:
-        """Keep ``<|python_start|>``, a special token, in the text."""
-        if request.tools and request.tool_choice != "none":
-            request.skip_special_tokens = False
-        return request
 
     def find_start(self, text: str) -> int | None:
         stripped = text.lstrip()
