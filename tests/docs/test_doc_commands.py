@@ -170,6 +170,15 @@ def engines() -> dict[str, LLM]:
     return {}
 
 
+def replace_llm(monkeypatch: pytest.MonkeyPatch, build) -> None:
+    """Make ``tokenmill.LLM`` and ``tokenmill.entrypoints.llm.LLM`` ``build`` until ``monkeypatch``
+    is undone. ``tokenmill.LLM`` is a lazy attribute read from ``tokenmill.entrypoints.llm``: it is
+    patched as an entry of the package's namespace, which the undo removes, since a
+    ``setattr`` would record (and restore) whatever the lazy lookup returns at that moment."""
+    monkeypatch.setattr(tokenmill.entrypoints.llm, "LLM", build)
+    monkeypatch.setitem(vars(tokenmill), "LLM", build)
+
+
 @pytest.fixture
 def shared_engines(engines, default_model_dir, monkeypatch) -> None:
     def build(**kwargs) -> LLM:
@@ -178,8 +187,17 @@ def shared_engines(engines, default_model_dir, monkeypatch) -> None:
             engines[key] = LLM(**kwargs)
         return engines[key]
 
-    monkeypatch.setattr(tokenmill.entrypoints.llm, "LLM", build)
-    monkeypatch.setattr(tokenmill, "LLM", build)
+    replace_llm(monkeypatch, build)
+
+
+def test_replaced_llm_is_restored_after_the_test():
+    """A leaked ``build`` once handed later tests a cached engine for the same arguments."""
+    real = tokenmill.entrypoints.llm.LLM
+    with pytest.MonkeyPatch.context() as mp:
+        replace_llm(mp, lambda **kwargs: None)
+        assert tokenmill.LLM is not real
+    assert tokenmill.LLM is real
+    assert tokenmill.entrypoints.llm.LLM is real
 
 
 @pytest.mark.parametrize("command", list(RUN))

@@ -611,10 +611,6 @@ def _doc_section(heading: str) -> str:
     return DOCS.read_text().split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
 
 
-# Quarantined from `make test`: it passes alone and with its module, but fails at its last
-# step (the tokenizer saved beside the checkpoint is not found) late in the full suite since
-# the tests were laid out in folders; `make test-all` still runs it. To investigate.
-@pytest.mark.slow
 def test_tiny_checkpoint_recipe_in_docs_runs_and_warns_without_tokenizer(
     site, tmp_path, monkeypatch, tokenmill_log
 ):
