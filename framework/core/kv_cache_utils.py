@@ -37,7 +37,7 @@ _U32 = struct.Struct("<I")
 def _encode_extra_keys(extra_keys: ExtraKeys | None) -> bytes:
     if not extra_keys:
         return b""
-    parts = []
+    parts: list[bytes] = []
     for kind, value in extra_keys:
         for text in (kind, value):
             data = text.encode()
@@ -97,7 +97,7 @@ def request_extra_keys(request: Request, block_index: int) -> ExtraKeys | None:
     return tuple(keys) or None
 
 
-def make_block_hasher(block_size: int, algo: str = "sha256") -> Callable[[Request], None]:
+def make_block_hasher(block_size: int, algo: PrefixCachingHashAlgo = "sha256") -> Callable[[Request], None]:
     """A callback that appends hashes for a request's newly filled blocks."""
     hash_fn = get_hash_function(algo)
 

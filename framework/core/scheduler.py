@@ -314,7 +314,7 @@ class Scheduler:
             if not params.ignore_eos and token == req.eos_token_id:
                 req.status = RequestStatus.FINISHED_STOPPED
                 return True
-            if token in params.stop_token_ids:
+            if token in (params.stop_token_ids or ()):
                 req.status = RequestStatus.FINISHED_STOPPED
                 req.stop_reason = token
                 return True

@@ -437,7 +437,9 @@ def request_stats(output: RequestOutput, stream: RequestStream) -> list[RequestS
     return stats
 
 
-def _hand_over(loop: asyncio.AbstractEventLoop | None, callback, *args: Any) -> None:
+def _hand_over(
+    loop: asyncio.AbstractEventLoop | None, callback: Callable[..., object], *args: Any
+) -> None:
     """Run ``callback(*args)`` on the event loop, unless it is gone."""
     if loop is None:
         return

@@ -26,8 +26,10 @@ from tokenmill.engine.core_proc import (
     POLL_INTERVAL_MS,
     READY,
     SHUTDOWN,
-    STARTUP_ERROR,
+    EngineCoreInfo,
     FinishRequests,
+    Payload,
+    StartupError,
     decode,
     encoder,
     run_engine_core,
@@ -79,6 +81,7 @@ class InprocClient(EngineCoreClient):
 
     def __init__(self, config: EngineConfig) -> None:
         self.engine_core = EngineCore(config)
+        assert config.max_model_len is not None
         self.max_model_len = config.max_model_len
         self.max_prompt_tokens = self.engine_core.max_prompt_tokens()
 
@@ -228,7 +231,7 @@ class MPClient(EngineCoreClient):
         except zmq.Again:
             raise EngineDeadError(self._death_message()) from None
 
-    def _recv(self) -> tuple[bytes, object] | None:
+    def _recv(self) -> tuple[bytes, Payload] | None:
         """The next message; None once the core is gone and nothing is left to read."""
         while not self._output.poll(POLL_INTERVAL_MS):
             if not self.is_alive():
@@ -240,10 +243,10 @@ class MPClient(EngineCoreClient):
         if message is None:
             raise RuntimeError(f"{self._death_message()} while starting")
         kind, payload = message
-        if kind == STARTUP_ERROR:
+        if isinstance(payload, StartupError):
             error = ValueError if payload.type == "ValueError" else RuntimeError
             raise error(payload.message)
-        assert kind == READY
+        assert kind == READY and isinstance(payload, EngineCoreInfo)
         self.max_model_len = payload.max_model_len
         self.max_prompt_tokens = payload.max_prompt_tokens
         self._stats = payload.stats
@@ -257,9 +260,10 @@ class MPClient(EngineCoreClient):
                     self.output_handler(EngineDeadError(self._death_message()))
                 return
             kind, outputs = message
-            assert kind == OUTPUTS
+            assert kind == OUTPUTS and isinstance(outputs, EngineCoreOutputs)
             self._last_message = time.monotonic()
-            self._stats = outputs.stats
+            if outputs.stats is not None:
+                self._stats = outputs.stats
             self.output_handler(outputs)
 
     def _death_message(self) -> str:

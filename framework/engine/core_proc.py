@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 import zmq
@@ -58,8 +59,14 @@ class StartupError:
     message: str
 
 
+Payload = (
+    EngineCoreRequest | list[str] | FinishRequests | None | EngineCoreInfo | StartupError
+    | EngineCoreOutputs
+)
+"""What a message carries, by kind: ``DECODERS`` decodes each kind to its type."""
+
 encoder = msgspec.msgpack.Encoder()
-DECODERS = {
+DECODERS: dict[bytes, msgspec.msgpack.Decoder[Any]] = {
     ADD: msgspec.msgpack.Decoder(EngineCoreRequest),
     ABORT: msgspec.msgpack.Decoder(list[str]),
     FINISH: msgspec.msgpack.Decoder(FinishRequests),
@@ -70,9 +77,10 @@ DECODERS = {
 }
 
 
-def decode(frames: list[bytes]) -> tuple[bytes, object]:
-    kind, payload = frames
-    return kind, DECODERS[kind].decode(payload)
+def decode(frames: list[bytes]) -> tuple[bytes, Payload]:
+    kind, data = frames
+    payload: Payload = DECODERS[kind].decode(data)
+    return kind, payload
 
 
 class EngineCoreProc:
@@ -82,8 +90,8 @@ class EngineCoreProc:
     def __init__(
         self,
         engine_core: EngineCore,
-        input_socket: zmq.Socket,
-        output_socket: zmq.Socket,
+        input_socket: zmq.Socket[bytes],
+        output_socket: zmq.Socket[bytes],
         parent_pid: int | None,
     ) -> None:
         self.engine_core = engine_core
@@ -112,7 +120,7 @@ class EngineCoreProc:
                 if kind == SHUTDOWN:
                     core.abort_all_requests()
                     return
-                self._handle(kind, payload)
+                self._handle(payload)
                 changed = True
             if core.has_unfinished_requests():
                 try:
@@ -123,12 +131,12 @@ class EngineCoreProc:
                     self.output.send_multipart([OUTPUTS, encoder.encode(outputs)])
                     raise
                 except Exception as e:
-                    failed = core.failed_req_ids
-                    if failed is None:
+                    if core.failed_req_ids is None:
                         logger.exception("engine step failed to schedule; failing every request")
                         failed = core.abort_all_requests()
                     else:
                         logger.exception("engine step failed; failing its requests")
+                        failed = core.failed_req_ids
                     outputs = EngineCoreOutputs(
                         error=f"{type(e).__name__}: {e}", failed_req_ids=failed
                     )
@@ -139,12 +147,12 @@ class EngineCoreProc:
             outputs.stats = core.get_stats()
             self.output.send_multipart([OUTPUTS, encoder.encode(outputs)])
 
-    def _handle(self, kind: bytes, payload: object) -> None:
-        if kind == ADD:
+    def _handle(self, payload: Payload) -> None:
+        if isinstance(payload, EngineCoreRequest):
             self.engine_core.add_request(payload)
-        elif kind == ABORT:
+        elif isinstance(payload, list):
             self.engine_core.abort_requests(payload)
-        elif kind == FINISH:
+        elif isinstance(payload, FinishRequests):
             self.engine_core.finish_requests(
                 payload.req_ids, RequestStatus(payload.status), payload.stop_reason
             )
@@ -176,6 +184,7 @@ def run_engine_core(
             error = StartupError(type(e).__name__, str(e))
             output_socket.send_multipart([STARTUP_ERROR, encoder.encode(error)])
             return
+        assert config.max_model_len is not None
         info = EngineCoreInfo(config.max_model_len, core.max_prompt_tokens(), core.get_stats())
         output_socket.send_multipart([READY, encoder.encode(info)])
         try:

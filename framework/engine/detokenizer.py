@@ -49,7 +49,7 @@ class IncrementalDetokenizer:
     ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = params.skip_special_tokens
-        self.stop: list[str] = list(params.stop)
+        self.stop: list[str] = list(params.stop or ())
         self.include_stop_str_in_output = params.include_stop_str_in_output
         self.min_tokens = params.min_tokens
         self.stop_buffer_length = (
@@ -123,11 +123,12 @@ class IncrementalDetokenizer:
         return window_text[len(context_text) :]
 
     def _decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(
+        text: str = self.tokenizer.decode(
             token_ids,
             skip_special_tokens=self.skip_special_tokens,
             clean_up_tokenization_spaces=False,
         )
+        return text
 
 
 def find_stop_string(

@@ -57,7 +57,7 @@ class DPClient(EngineCoreClient):
         with concurrent.futures.ThreadPoolExecutor(size) as pool:
             futures = [pool.submit(start, rank) for rank in range(size)]
         self.cores = [f.result() for f in futures if f.exception() is None]
-        errors = [f.exception() for f in futures if f.exception() is not None]
+        errors = [e for f in futures if (e := f.exception()) is not None]
         if errors:
             self.shutdown()
             raise errors[0]

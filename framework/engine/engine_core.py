@@ -16,6 +16,7 @@ from tokenmill.core.scheduler import EngineCoreOutput, Scheduler, SchedulerConfi
 from tokenmill.core.scheduler_output import SchedulerOutput
 from tokenmill.engine.input_processor import EngineCoreRequest
 from tokenmill.structured_output import StructuredOutputManager
+from tokenmill.structured_output.request import StructuredOutputRequest
 from tokenmill.worker.executor import Executor
 
 logger = logging.getLogger(__name__)
@@ -58,6 +59,7 @@ class EngineCore:
         except BaseException:
             self.executor.shutdown()
             raise
+        assert config.max_model_len is not None and config.max_num_batched_tokens is not None
         self.block_hasher = make_block_hasher(config.block_size, config.prefix_caching_hash_algo)
         self.kv_cache_manager = KVCacheManager(
             self.num_blocks,
@@ -97,6 +99,7 @@ class EngineCore:
         specs = self.executor.get_kv_cache_specs()
         num_blocks = self.executor.determine_num_blocks()
         capacity = num_blocks * config.block_size
+        assert config.max_model_len is not None
         if capacity < config.max_model_len:
             logger.warning(
                 "KV cache holds %d tokens; lowering max_model_len from %d", capacity, config.max_model_len
@@ -126,6 +129,7 @@ class EngineCore:
         """Longest prompt the cache can admit with room for one output token."""
         kv = self.kv_cache_manager
         admissible = (kv.num_blocks - kv.watermark_blocks) * self.config.block_size - 1
+        assert self.config.max_model_len is not None
         return min(self.config.max_model_len - 1, admissible)
 
     def add_request(self, request: EngineCoreRequest) -> None:
@@ -166,7 +170,7 @@ class EngineCore:
         for req_id in req_ids:
             req = self.waiting_for_fsm.pop(req_id, None)
             if req is not None:
-                req.structured_output_request.future.cancel()
+                _constraint(req).future.cancel()
         self.scheduler.finish_requests(req_ids, status, stop_reason)
 
     def has_unfinished_requests(self) -> bool:
@@ -215,7 +219,7 @@ class EngineCore:
             return []
         if not self.scheduler.has_unfinished_requests():
             concurrent.futures.wait(
-                [r.structured_output_request.future for r in self.waiting_for_fsm.values()],
+                [_constraint(r).future for r in self.waiting_for_fsm.values()],
                 timeout=GRAMMAR_WAIT_S,
                 return_when=concurrent.futures.FIRST_COMPLETED,
             )
@@ -223,7 +227,7 @@ class EngineCore:
         timeout = envs.TOKENMILL_GRAMMAR_COMPILE_TIMEOUT
         now = time.monotonic()
         for req_id, req in list(self.waiting_for_fsm.items()):
-            so_request = req.structured_output_request
+            so_request = _constraint(req)
             if so_request.compiling_longer_than(timeout, now):
                 del self.waiting_for_fsm[req_id]
                 logger.error(
@@ -297,3 +301,10 @@ class EngineCore:
             "kv_blocks_total": kv.num_blocks,
             "kv_blocks_free": kv.get_num_free_blocks(),
         }
+
+
+def _constraint(req: Request) -> StructuredOutputRequest:
+    """The structured-output constraint of a request in ``waiting_for_fsm``, which holds only
+    constrained requests."""
+    assert req.structured_output_request is not None
+    return req.structured_output_request

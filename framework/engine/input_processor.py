@@ -65,7 +65,7 @@ class InputProcessor:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.max_prompt_tokens = max_prompt_tokens
-        self.vocab_size = config.hf_config.vocab_size
+        self.vocab_size: int = config.hf_config.vocab_size
         self.eos_token_id = eos_token_id(tokenizer, config.hf_config)
         self.generation_config = load_generation_config(config.model_path, config.hf_config)
         self.config = config
@@ -213,8 +213,9 @@ def child_request_id(index: int, request_id: str) -> str:
 def eos_token_id(tokenizer: PreTrainedTokenizerBase | None, hf_config: Any) -> int | None:
     """The model's EOS id: the tokenizer's, else the first of the HF config's."""
     if tokenizer is not None and tokenizer.eos_token_id is not None:
-        return tokenizer.eos_token_id
-    eos = getattr(hf_config, "eos_token_id", None)
+        tokenizer_eos: int = tokenizer.eos_token_id
+        return tokenizer_eos
+    eos: int | list[int] | None = getattr(hf_config, "eos_token_id", None)
     if isinstance(eos, list):
         return eos[0] if eos else None
     return eos

@@ -5,6 +5,7 @@ and keeps the per-request metrics."""
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -202,14 +203,15 @@ class OutputProcessor:
             if completion.logprobs is not None and new_logprob_lists:
                 new_logprobs = self._logprob_dicts(new_logprob_lists)
                 completion.logprobs.extend(new_logprobs)
+                assert completion.cumulative_logprob is not None  # set with the logprobs
                 for row in new_logprob_lists.logprobs:
                     completion.cumulative_logprob += row[0]
             if state.wants_prompt_logprobs and out.new_prompt_logprobs is not None:
                 state.set_prompt_logprobs([None, *self._logprob_dicts(out.new_prompt_logprobs)])
-            finished = finish_reason is not None
-            if finished:
+            if finish_reason is not None:
                 self._finish_child(state, out.req_id, completion, finish_reason, stop_reason, now)
             if state.output_kind is RequestOutputKind.DELTA:
+                finished = finish_reason is not None
                 text = "" if detok is None else detok.get_next_output_text(finished, delta=True)
                 state.add_delta(index, text, new_token_ids, new_logprobs)
             touched[state.request_id] = state
@@ -270,5 +272,5 @@ class OutputProcessor:
         return bool(self.requests)
 
 
-def _outputs(states) -> list[RequestOutput]:
+def _outputs(states: Iterable[RequestState]) -> list[RequestOutput]:
     return [o for o in (s.to_output() for s in states) if o is not None]

@@ -29,7 +29,7 @@ class FullAttentionSpec(KVCacheSpec):
 
     @property
     def page_size_bytes(self) -> int:
-        item = torch.empty((), dtype=self.dtype).element_size()
+        item: int = torch.empty((), dtype=self.dtype).element_size()
         return 2 * self.block_size * self.num_kv_heads * self.head_size * item
 
 
@@ -41,5 +41,5 @@ class MLAAttentionSpec(KVCacheSpec):
 
     @property
     def page_size_bytes(self) -> int:
-        item = torch.empty((), dtype=self.dtype).element_size()
+        item: int = torch.empty((), dtype=self.dtype).element_size()
         return self.block_size * self.head_size * item

@@ -131,7 +131,8 @@ def _resolve_op(platform: str, name: str, op: Callable[..., Any] | str) -> Calla
         return op
     module_name, _, attr = op.partition(":")
     try:
-        return getattr(importlib.import_module(module_name), attr)
+        resolved: Callable[..., Any] = getattr(importlib.import_module(module_name), attr)
+        return resolved
     except (ImportError, AttributeError) as e:
         raise ImportError(
             f"platform {platform!r}: cannot import op {name!r} from {op!r}: {e}"

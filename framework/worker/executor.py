@@ -28,6 +28,9 @@ class Executor:
 
     worker_info: WorkerInfo
 
+    def __init__(self, config: EngineConfig) -> None:
+        raise NotImplementedError
+
     @staticmethod
     def get_class(config: EngineConfig) -> type[Executor]:
         """The executor of ``config.executor_backend``."""
