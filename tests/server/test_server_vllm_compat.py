@@ -408,6 +408,10 @@ VLLM_METRICS = (
     "vllm:request_time_per_output_token_seconds_count",
     "vllm:e2e_request_latency_seconds_count",
     "vllm:request_queue_time_seconds_count",
+    "vllm:request_prefill_time_seconds_count",
+    "vllm:request_decode_time_seconds_count",
+    "vllm:request_inference_time_seconds_count",
+    "vllm:inter_token_latency_seconds_count",
 )
 """vLLM's names (its ``vllm/v1/metrics/loggers.py``) for what tokenmill measures."""
 
