@@ -28,11 +28,13 @@ class CompletionOutput:
 
 @dataclass
 class RequestMetrics:
-    """Monotonic-clock times of one request's life."""
+    """Monotonic-clock times of one request's life; ``last_token_time``: when its latest
+    generated tokens arrived."""
 
     arrival_time: float
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    last_token_time: float | None = None
     finished_time: float | None = None
 
 

@@ -62,6 +62,12 @@ class RequestStats:
     queue_time: float | None
     time_to_first_token: float | None
     time_per_output_token: float | None
+    prefill_time: float | None = None
+    """First scheduled to first token."""
+    decode_time: float | None = None
+    """First token to last token."""
+    inference_time: float | None = None
+    """First scheduled to last token (prefill and decode)."""
     n: int = 1
     """The request's ``n``."""
     max_tokens: int = 0
@@ -71,8 +77,9 @@ class RequestStats:
 class StatLogger(Protocol):
     def record_finished(self, stats: RequestStats) -> None: ...
 
-    def record_iteration(self, num_tokens: int) -> None:
-        """One engine step ran ``num_tokens`` tokens (prompt and generated)."""
+    def record_iteration(self, num_tokens: int, inter_token_latencies: list[float]) -> None:
+        """One engine step ran ``num_tokens`` tokens (prompt and generated); each completion
+        that got tokens after earlier ones waited ``inter_token_latencies`` seconds for them."""
 
 
 class RequestStream:
@@ -361,10 +368,12 @@ class AsyncLLM:
             self._fail_all(error, set(core_outputs.failed_req_ids))
             return
         out.mark_scheduled(core_outputs.scheduled_req_ids, core_outputs.timestamp)
-        if core_outputs.num_scheduled_tokens:
-            for stat_logger in self.stat_loggers:
-                stat_logger.record_iteration(core_outputs.num_scheduled_tokens)
         processed = out.process(core_outputs.outputs)
+        if core_outputs.num_scheduled_tokens or processed.inter_token_latencies:
+            for stat_logger in self.stat_loggers:
+                stat_logger.record_iteration(
+                    core_outputs.num_scheduled_tokens, processed.inter_token_latencies
+                )
         for child_id, stop_str in processed.stopped_by_string:
             if self._dead is None:
                 self.engine_core.finish_requests([child_id], RequestStatus.FINISHED_STOPPED, stop_str)
@@ -408,19 +417,27 @@ class AsyncLLM:
 
 def request_stats(output: RequestOutput, stream: RequestStream) -> list[RequestStats]:
     """One ``RequestStats`` per completion of a finished request, from its monotonic
-    timestamps; TPOT as in vLLM: decode time over the tokens after the first."""
+    timestamps, the phases as vLLM splits them: queued (arrival to first scheduled), prefill
+    (to the first token), decode (first to last token); TPOT: decode time over the tokens
+    after the first."""
     assert output.completion_metrics is not None
     stats = []
     for index, m in enumerate(output.completion_metrics):
         assert m.finished_time is not None
         num_tokens = stream.num_generation_tokens.get(index, 0)
-        ttft = tpot = queue_time = None
+        ttft = tpot = queue_time = prefill = decode = inference = None
         if m.first_token_time is not None:
             ttft = m.first_token_time - m.arrival_time
+        if m.first_token_time is not None and m.last_token_time is not None:
+            decode = m.last_token_time - m.first_token_time
             if num_tokens > 1:
-                tpot = (m.finished_time - m.first_token_time) / (num_tokens - 1)
+                tpot = decode / (num_tokens - 1)
         if m.first_scheduled_time is not None:
             queue_time = m.first_scheduled_time - m.arrival_time
+            if m.first_token_time is not None:
+                prefill = m.first_token_time - m.first_scheduled_time
+            if m.last_token_time is not None:
+                inference = m.last_token_time - m.first_scheduled_time
         stats.append(
             RequestStats(
                 finish_reason=stream.finish_reasons[index],
@@ -430,6 +447,9 @@ def request_stats(output: RequestOutput, stream: RequestStream) -> list[RequestS
                 queue_time=queue_time,
                 time_to_first_token=ttft,
                 time_per_output_token=tpot,
+                prefill_time=prefill,
+                decode_time=decode,
+                inference_time=inference,
                 n=stream.n,
                 max_tokens=stream.max_tokens,
             )

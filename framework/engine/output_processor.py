@@ -104,6 +104,9 @@ class ProcessedOutputs:
     request_outputs: list[RequestOutput]
     stopped_by_string: list[tuple[str, str]]
     """(child request id, stop string) pairs the engine core must finish."""
+    inter_token_latencies: list[float]
+    """Per completion that got tokens in this step after earlier ones: seconds since its
+    previous tokens (vLLM's inter-token latency, one per step whatever the token count)."""
 
 
 class OutputProcessor:
@@ -174,6 +177,7 @@ class OutputProcessor:
         now = time.monotonic()
         touched: dict[str, RequestState] = {}
         stopped: list[tuple[str, str]] = []
+        inter_token_latencies: list[float] = []
         for out in outputs:
             entry = self.child_to_parent.get(out.req_id)
             if entry is None:
@@ -183,6 +187,12 @@ class OutputProcessor:
             for metrics in (state.metrics, state.completion_metrics[index]):
                 if metrics.first_token_time is None:
                     metrics.first_token_time = now
+            if out.new_token_ids:
+                previous = state.completion_metrics[index].last_token_time
+                if previous is not None:
+                    inter_token_latencies.append(now - previous)
+                for metrics in (state.metrics, state.completion_metrics[index]):
+                    metrics.last_token_time = now
             state.num_cached_tokens = out.num_cached_tokens
             new_token_ids, new_logprob_lists = out.new_token_ids, out.new_logprobs
             finish_reason, stop_reason = out.finish_reason, out.stop_reason
@@ -215,7 +225,7 @@ class OutputProcessor:
                 text = "" if detok is None else detok.get_next_output_text(finished, delta=True)
                 state.add_delta(index, text, new_token_ids, new_logprobs)
             touched[state.request_id] = state
-        return ProcessedOutputs(_outputs(touched.values()), stopped)
+        return ProcessedOutputs(_outputs(touched.values()), stopped, inter_token_latencies)
 
     def mark_scheduled(self, child_ids: list[str], now: float) -> None:
         """Note ``now`` as the first-scheduled time of these children and of their requests,

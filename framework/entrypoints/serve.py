@@ -73,6 +73,11 @@ def register_subcommand(subparsers: argparse._SubParsersAction) -> None:
         "text parts; auto: the list when the template loops over content",
     )
     parser.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="use a request's own chat_template (Jinja text); without it such a request is a 400",
+    )
+    parser.add_argument(
         "--return-tokens-as-token-ids",
         action="store_true",
         help="spell logprob tokens 'token_id:<id>' (a request's return_tokens_as_token_ids "
@@ -82,6 +87,12 @@ def register_subcommand(subparsers: argparse._SubParsersAction) -> None:
         "--enable-force-include-usage",
         action="store_true",
         help="end every stream with a usage chunk, even without stream_options.include_usage",
+    )
+    parser.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="usage carries prompt_tokens_details.cached_tokens (prompt tokens served from the "
+        "prefix cache)",
     )
     parser.add_argument(
         "--enable-request-id-headers",
@@ -158,8 +169,10 @@ def make_app(args: argparse.Namespace) -> FastAPI:
     options = ServerOptions(
         chat_template=args.chat_template,
         chat_template_content_format=args.chat_template_content_format,
+        trust_request_chat_template=args.trust_request_chat_template,
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         enable_force_include_usage=args.enable_force_include_usage,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         enable_request_id_headers=args.enable_request_id_headers,
         enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
         enable_server_load_tracking=args.enable_server_load_tracking,

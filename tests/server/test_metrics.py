@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 from conftest import make_tiny_checkpoint, save_byte_tokenizer
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -48,8 +49,39 @@ def test_n2_request_counts_two_requests_in_every_series(tmp_path):
         "e2e_request_latency_seconds",
         "request_time_per_output_token_seconds",
         "request_queue_time_seconds",
+        "request_prefill_time_seconds",
+        "request_decode_time_seconds",
+        "request_inference_time_seconds",
     ):
         assert m[f"tokenmill:{name}_count"] == 2, name
+        assert m[f"vllm:{name}_count"] == 2, name
+    # One source: the phases add up to TTFT and inference time, TPOT is the decode time per
+    # token after the first, and the inter-token latencies (3 per completion) sum to it.
+    sums = {
+        name: m[f"vllm:{name}_sum"]
+        for name in (
+            "time_to_first_token_seconds",
+            "request_queue_time_seconds",
+            "request_prefill_time_seconds",
+            "request_decode_time_seconds",
+            "request_inference_time_seconds",
+            "request_time_per_output_token_seconds",
+            "inter_token_latency_seconds",
+        )
+    }
+    assert sums["request_queue_time_seconds"] + sums["request_prefill_time_seconds"] == (
+        pytest.approx(sums["time_to_first_token_seconds"])
+    )
+    assert sums["request_prefill_time_seconds"] + sums["request_decode_time_seconds"] == (
+        pytest.approx(sums["request_inference_time_seconds"])
+    )
+    assert sums["request_time_per_output_token_seconds"] * 3 == pytest.approx(
+        sums["request_decode_time_seconds"]
+    )
+    assert sums["inter_token_latency_seconds"] == pytest.approx(sums["request_decode_time_seconds"])
+    assert sums["request_decode_time_seconds"] > 0
+    assert m["tokenmill:inter_token_latency_seconds_count"] == 2 * 3
+    assert m["vllm:inter_token_latency_seconds_count"] == 2 * 3
     assert m["tokenmill:prompt_tokens_total"] == 2 * len(PROMPT)
     assert m["tokenmill:generation_tokens_total"] == 2 * 4
     for prefix in ("tokenmill", "vllm"):

@@ -137,7 +137,7 @@ def assert_openai_error(response: httpx.Response, status: int, param: str | None
 
 @pytest.fixture(scope="module")
 def server():
-    srv = RemoteServer()
+    srv = RemoteServer("--enable-prompt-tokens-details")
     yield srv
     srv.stop()
 
@@ -412,6 +412,13 @@ def test_vllm_bench_serve_payloads(server):
 )
 def test_chat_errors(server, body, param):
     assert_openai_error(server.post("/v1/chat/completions", body), 400, param)
+
+
+def test_request_chat_template_needs_the_trust_flag(server):
+    body = {"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ 'x' }}"}
+    for path in ("/v1/chat/completions", "/tokenize"):
+        message = assert_openai_error(server.post(path, body), 400, "chat_template")
+        assert "--trust-request-chat-template" in message, message
 
 
 def test_cache_salt_isolates_tenants(client):

@@ -41,6 +41,7 @@ def server(tmp_path_factory):
     srv = RemoteServer(
         "--chat-template",
         str(path),
+        "--trust-request-chat-template",
         "--return-tokens-as-token-ids",
         "--enable-force-include-usage",
         "--enable-request-id-headers",
@@ -252,7 +253,8 @@ def test_logprobs_of_the_whole_vocabulary(server, client):
 
 def test_usage_options(server, client):
     """``--enable-force-include-usage`` ends every stream with usage; a bad
-    ``stream_options`` key is named in the error."""
+    ``stream_options`` key is named in the error; without ``--enable-prompt-tokens-details``
+    usage has no ``prompt_tokens_details`` (as in vLLM; test_server runs with it)."""
     chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, stream=True))
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 3
     assert all(c.usage is None for c in chunks[:-1])
@@ -263,6 +265,9 @@ def test_usage_options(server, client):
         )
     )
     assert all(c.usage is not None for c in chunks)
+    whole = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1)
+    assert [c.usage.prompt_tokens_details for c in chunks] == [None] * len(chunks)
+    assert whole.usage.prompt_tokens_details is None
     body = {"prompt": PROMPT, "stream": True, "stream_options": {"continuous_usage_stats": "x"}}
     message = assert_openai_error(server.post("/v1/completions", body), 400, "stream_options")
     assert "continuous_usage_stats" in message
@@ -332,6 +337,22 @@ def test_chat_template_flag_renders_tools_for_auto_choice(server, client):
     assert out.prompt_token_ids == tokens
 
 
+def test_request_chat_template_under_the_trust_flag(server, client):
+    """A request's ``chat_template`` replaces the server's for that request (chat and
+    ``/tokenize``), its content format resolved from it (``string`` here, ``openai`` for the
+    server's); other requests keep the server's."""
+    own = "{% for m in messages %}({{ m['role'] }}:{{ m['content'] }}){% endfor %}"
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Name"}, {"type": "text", "text": "a colour."}]}]
+    tokens = tokenize(server, {"messages": parts, "chat_template": own})
+    assert detokenize(server, tokens) == "(user:Name\na colour.)", "parts joined: string format"
+    out = client.chat.completions.create(
+        model=MODEL, messages=parts, max_tokens=2, temperature=0,
+        extra_body={"chat_template": own, "return_token_ids": True},
+    )
+    assert out.prompt_token_ids == tokens
+    assert detokenize(server, tokenize(server, {"messages": USER})).startswith("<|user|>[Name a colour.]")
+
+
 def test_named_tool_call_cut_short_has_no_tool_calls(client):
     named = {"type": "function", "function": {"name": "get_weather"}}
     out = client.chat.completions.create(
@@ -340,6 +361,14 @@ def test_named_tool_call_cut_short_has_no_tool_calls(client):
     )
     choice = out.choices[0]
     assert choice.finish_reason == "length" and not choice.message.tool_calls
+    stream = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Weather?"}], tools=TOOLS,
+        tool_choice=named, max_completion_tokens=2, temperature=0, stream=True,
+    )
+    chunks = [c.choices[0] for c in stream if c.choices]
+    assert [c for c in chunks if c.delta.tool_calls] == [], "no argument pieces that never close"
+    assert not "".join(c.delta.content or "" for c in chunks)
+    assert chunks[-1].finish_reason == "length"
 
 
 def test_logit_bias_errors_name_every_bad_key(server):
@@ -408,6 +437,10 @@ VLLM_METRICS = (
     "vllm:request_time_per_output_token_seconds_count",
     "vllm:e2e_request_latency_seconds_count",
     "vllm:request_queue_time_seconds_count",
+    "vllm:request_prefill_time_seconds_count",
+    "vllm:request_decode_time_seconds_count",
+    "vllm:request_inference_time_seconds_count",
+    "vllm:inter_token_latency_seconds_count",
 )
 """vLLM's names (its ``vllm/v1/metrics/loggers.py``) for what tokenmill measures."""
 

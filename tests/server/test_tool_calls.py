@@ -132,7 +132,7 @@ def test_required_round_trip_streaming(client):
     assert _answer_with_result(client, call["id"], call["name"], call["arguments"])
 
 
-def test_named_function_streams_its_arguments(client):
+def test_named_function_streams_its_call_whole(client):
     choice = {"type": "function", "function": {"name": "get_weather"}}
     out = client.chat.completions.create(
         model=MODEL, messages=QUESTION, tools=TOOLS, tool_choice=choice, max_tokens=60, temperature=0
@@ -144,10 +144,12 @@ def test_named_function_streams_its_arguments(client):
         model=MODEL, messages=QUESTION, tools=TOOLS, tool_choice=choice, max_tokens=60,
         temperature=0, stream=True,
     )
-    pieces = [c.choices[0].delta.tool_calls for c in stream if c.choices and c.choices[0].delta.tool_calls]
+    chunks = [c.choices[0] for c in stream if c.choices]
+    pieces = [c.delta.tool_calls for c in chunks if c.delta.tool_calls]
     assert pieces[0][0].function.name == "get_weather" and pieces[0][0].id
-    assert len(pieces) > 2, "the arguments arrive in several deltas"
     assert "".join(p[0].function.arguments or "" for p in pieces) == call.function.arguments
+    assert json.loads(pieces[0][0].function.arguments), "sent once its arguments are whole JSON"
+    assert chunks[-1].finish_reason == "stop"
 
 
 def test_auto_choice_answers_with_content_or_parsed_calls(client):

@@ -136,6 +136,13 @@ def test_required_and_named_outputs():
     named = _request(tool_choice={"type": "function", "function": {"name": "get_weather"}})
     _, streamed = _stream_all(ToolCallStream(named, "named", None, 0), '{"city": "Oslo"}')
     assert streamed == {0: {"name": "get_weather", "arguments": '{"city": "Oslo"}', "id": streamed[0]["id"]}}
+    cut = ToolCallStream(named, "named", None, 0)
+    assert [cut.delta(ch) for ch in '{"city": "Os'] == [None] * 12
+    assert cut.delta('l', "length") is None and extract(named, "named", None, cut.text, "length") == (None, [])
+    ended = ToolCallStream(named, "named", None, 0)
+    assert ended.delta('{"city"') is None
+    [call] = ended.delta("", "stop").tool_calls
+    assert call.function.arguments == '{"city"' == extract(named, "named", None, ended.text, "stop")[1][0].function.arguments
 
 
 def test_tool_choice_checks_and_constraints():

@@ -160,9 +160,7 @@ def build_app(
         engine.max_model_len,
     )
     engine.stat_loggers.append(metrics)
-    renderer = ChatRenderer.create(
-        engine.tokenizer, options.chat_template, options.chat_template_content_format
-    )
+    renderer = ChatRenderer.create(engine.tokenizer, options)
     completions = OpenAIServingCompletion(engine, models, options)
     parser = load_tool_parser(tool_call_parser) if tool_call_parser else None
     chat = OpenAIServingChat(engine, models, parser, options, renderer)

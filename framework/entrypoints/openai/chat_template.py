@@ -1,5 +1,6 @@
-"""Rendering chat messages into a prompt: the tokenizer's chat template or the server's
-``--chat-template``, with vLLM's request options (``add_generation_prompt``,
+"""Rendering chat messages into a prompt: the tokenizer's chat template, the server's
+``--chat-template`` or (under ``--trust-request-chat-template``) the request's own
+``chat_template``, with vLLM's request options (``add_generation_prompt``,
 ``continue_final_message``, ``chat_template_kwargs``, ``documents``)."""
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from typing import Any
 
 from tokenmill.entrypoints.openai.errors import OpenAIError
 from tokenmill.entrypoints.openai.protocol import ChatCompletionToolsParam, ChatMessage
-from tokenmill.entrypoints.openai.server_options import CONTENT_FORMATS
+from tokenmill.entrypoints.openai.server_options import CONTENT_FORMATS, ServerOptions
 
 RESERVED_TEMPLATE_KWARGS = frozenset(
     {
@@ -63,17 +64,29 @@ class ChatRenderer:
         tokenizer: the model's tokenizer (None: the model has no chat template).
         template: ``--chat-template``'s text; None: the tokenizer's own.
         content_format: ``string`` or ``openai`` (see ``CONTENT_FORMATS``).
+        format_option: ``--chat-template-content-format``, resolved for a request's template.
+        trust_request_chat_template: ``--trust-request-chat-template``: a request may bring
+            its own ``chat_template``.
     """
 
     tokenizer: Any
     template: str | None = None
     content_format: str = "string"
+    format_option: str = "auto"
+    trust_request_chat_template: bool = False
 
     @classmethod
-    def create(cls, tokenizer: Any, chat_template: str | None, content_format: str) -> ChatRenderer:
-        template = load_chat_template(chat_template) if chat_template else None
+    def create(cls, tokenizer: Any, options: ServerOptions) -> ChatRenderer:
+        template = load_chat_template(options.chat_template) if options.chat_template else None
         own = getattr(tokenizer, "chat_template", None) if tokenizer is not None else None
-        return cls(tokenizer, template, resolve_content_format(content_format, template or own))
+        content_format = resolve_content_format(options.chat_template_content_format, template or own)
+        return cls(
+            tokenizer,
+            template,
+            content_format,
+            options.chat_template_content_format,
+            options.trust_request_chat_template,
+        )
 
     def render(
         self,
@@ -83,10 +96,22 @@ class ChatRenderer:
         continue_final_message: bool,
         chat_template_kwargs: dict[str, Any] | None,
         documents: list[dict[str, str]] | None,
+        chat_template: str | None = None,
     ) -> str:
-        """The prompt text; a 400 naming the request field at fault."""
+        """The prompt text (``chat_template``: the request's own template, Jinja text); a 400
+        naming the request field at fault."""
         if self.tokenizer is None:
             raise OpenAIError("this model has no tokenizer, so it has no chat template")
+        template, content_format = self.template, self.content_format
+        if chat_template is not None:
+            if not self.trust_request_chat_template:
+                raise OpenAIError(
+                    "chat_template in a request is refused: the server runs without "
+                    "--trust-request-chat-template",
+                    param="chat_template",
+                )
+            template = chat_template
+            content_format = resolve_content_format(self.format_option, chat_template)
         if not messages:
             raise OpenAIError("messages must not be empty", param="messages")
         if continue_final_message and add_generation_prompt:
@@ -104,10 +129,10 @@ class ChatRenderer:
             )
         try:
             return self.tokenizer.apply_chat_template(
-                [m.to_template_dict(self.content_format) for m in messages],
+                [m.to_template_dict(content_format) for m in messages],
                 tools=[t.model_dump(exclude_none=True) for t in tools] if tools else None,
                 documents=documents,
-                chat_template=self.template,
+                chat_template=template,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
                 tokenize=False,

@@ -9,8 +9,10 @@ latest ``get_stats()`` at each scrape.
 Every per-request series counts completions, vLLM's convention (its engine runs a request
 with ``n > 1`` as ``n`` child requests): an ``n = 2`` request adds 2 to
 ``request_success_total`` and to the count of each request histogram (TTFT, TPOT, end to end,
-queue time), each observation timing one completion, and its prompt twice to
-``prompt_tokens_total``."""
+the queue, prefill, decode and inference phases), each observation timing one completion, and
+its prompt twice to ``prompt_tokens_total``. The phases and the inter-token latencies come
+from the same per-completion timestamps as TTFT and TPOT (``RequestMetrics``); inter-token
+latencies are recorded at each engine step, as in vLLM."""
 
 from __future__ import annotations
 
@@ -281,6 +283,24 @@ class PrometheusMetrics:
         self.queue_time = self._histogram(
             "request_queue_time_seconds", "Time from arrival to first scheduling.", LATENCY_BUCKETS
         )
+        self.prefill_time = self._histogram(
+            "request_prefill_time_seconds",
+            "Time from first scheduling to the first token.",
+            LATENCY_BUCKETS,
+        )
+        self.decode_time = self._histogram(
+            "request_decode_time_seconds", "Time from the first token to the last.", LATENCY_BUCKETS
+        )
+        self.inference_time = self._histogram(
+            "request_inference_time_seconds",
+            "Time from first scheduling to the last token (prefill and decode).",
+            LATENCY_BUCKETS,
+        )
+        self.inter_token_latency = self._histogram(
+            "inter_token_latency_seconds",
+            "Time between a completion's successive engine steps that brought it tokens.",
+            TPOT_BUCKETS,
+        )
         self.prompt_tokens = self._histogram(
             "request_prompt_tokens", "Prompt tokens of a request.", token_buckets
         )
@@ -317,6 +337,9 @@ class PrometheusMetrics:
             (self.ttft, stats.time_to_first_token),
             (self.tpot, stats.time_per_output_token),
             (self.queue_time, stats.queue_time),
+            (self.prefill_time, stats.prefill_time),
+            (self.decode_time, stats.decode_time),
+            (self.inference_time, stats.inference_time),
             (self.prompt_tokens, stats.num_prompt_tokens),
             (self.generation_tokens, stats.num_generation_tokens),
             (self.params_n, stats.n),
@@ -328,9 +351,13 @@ class PrometheusMetrics:
                 for histogram in histograms:
                     histogram.observe(value)
 
-    def record_iteration(self, num_tokens: int) -> None:
-        for histogram in self.iteration_tokens:
-            histogram.observe(num_tokens)
+    def record_iteration(self, num_tokens: int, inter_token_latencies: list[float]) -> None:
+        if num_tokens:
+            for histogram in self.iteration_tokens:
+                histogram.observe(num_tokens)
+        for latency in inter_token_latencies:
+            for histogram in self.inter_token_latency:
+                histogram.observe(latency)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

@@ -56,8 +56,10 @@ VLLM_UNIMPLEMENTED_DEFAULTS: dict[str, Any] = {
     "guided_whitespace_pattern": None,
     "kv_transfer_params": None,
     "vllm_xargs": None,
-    "chat_template": None,
     "mm_processor_kwargs": None,
+    "media_io_kwargs": None,
+    "prompt_embeds": None,
+    "request_id": None,
 }
 """vLLM request fields this engine does not implement, with the values that change nothing
 (any other value is refused; docs/vllm_compatibility.md gives each one's reason)."""
@@ -152,12 +154,15 @@ class UsageInfo(BaseModel):
     prompt_tokens_details: PromptTokensDetails | None = None
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> UsageInfo:
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int | None) -> UsageInfo:
+        """``cached_tokens`` None: no ``prompt_tokens_details``."""
         return cls(
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
             total_tokens=prompt_tokens + completion_tokens,
-            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
+            prompt_tokens_details=(
+                None if cached_tokens is None else PromptTokensDetails(cached_tokens=cached_tokens)
+            ),
         )
 
 
@@ -373,6 +378,9 @@ class ChatCompletionRequest(SamplingFields):
     """vLLM's: the reply starts with the last message's content when it has the reply's role."""
     chat_template_kwargs: dict[str, Any] | None = None
     """vLLM's: extra variables for the chat template."""
+    chat_template: str | None = None
+    """vLLM's: a Jinja chat template for this request (only under
+    ``--trust-request-chat-template``)."""
     documents: list[dict[str, str]] | None = None
     """vLLM's: documents for retrieval-augmented templates (the template's ``documents``)."""
     tools: list[ChatCompletionToolsParam] | None = None
@@ -538,6 +546,7 @@ class TokenizeChatRequest(OpenAIModel):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None
     documents: list[dict[str, str]] | None = None
     tools: list[ChatCompletionToolsParam] | None = None
     add_special_tokens: bool = False

@@ -52,9 +52,7 @@ class OpenAIServingChat(OpenAIServing):
     ) -> None:
         super().__init__(engine, models, options)
         self.tool_parser = tool_parser
-        self.renderer = renderer or ChatRenderer.create(
-            engine.tokenizer, self.options.chat_template, self.options.chat_template_content_format
-        )
+        self.renderer = renderer or ChatRenderer.create(engine.tokenizer, self.options)
 
     async def create_chat_completion(
         self, request: ChatCompletionRequest
@@ -130,7 +128,7 @@ class OpenAIServingChat(OpenAIServing):
             id=request_id,
             model=self.response_model(request),
             choices=choices,
-            usage=UsageInfo.of(len(ids), num_generated, output.num_cached_tokens),
+            usage=self.usage(len(ids), num_generated, output.num_cached_tokens),
             prompt_logprobs=output.prompt_logprobs,
             prompt_token_ids=ids if request.return_token_ids else None,
         )
@@ -146,6 +144,7 @@ class OpenAIServingChat(OpenAIServing):
             request.continue_final_message,
             request.chat_template_kwargs,
             request.documents,
+            request.chat_template,
         )
         return self.engine.tokenizer.encode(text, add_special_tokens=False)
 
@@ -200,7 +199,7 @@ class OpenAIServingChat(OpenAIServing):
         echo = _echo_text(request) if mode is None else ""
 
         def usage_so_far() -> UsageInfo | None:
-            return UsageInfo.of(num_prompt, num_generated, num_cached) if continuous_usage else None
+            return self.usage(num_prompt, num_generated, num_cached) if continuous_usage else None
 
         try:
             yield chunk(
@@ -218,7 +217,7 @@ class OpenAIServingChat(OpenAIServing):
                 for c in output.outputs:
                     num_generated += len(c.token_ids)
                     tool_stream = tool_streams[c.index]
-                    delta = tool_stream.delta(c.text)
+                    delta = tool_stream.delta(c.text, c.finish_reason)
                     ids_due = request.return_token_ids and c.token_ids
                     if not (delta or c.finish_reason or c.logprobs or ids_due):
                         continue
@@ -238,7 +237,7 @@ class OpenAIServingChat(OpenAIServing):
                         usage_so_far(),
                     )
             if include_usage:
-                yield chunk([], UsageInfo.of(num_prompt, num_generated, num_cached))
+                yield chunk([], self.usage(num_prompt, num_generated, num_cached))
         except Exception as e:
             yield from_exception(e).to_sse()
         finally:

@@ -88,7 +88,7 @@ class OpenAIServingCompletion(OpenAIServing):
             id=request_id,
             model=self.response_model(request),
             choices=choices,
-            usage=UsageInfo.of(num_prompt, num_generated, num_cached),
+            usage=self.usage(num_prompt, num_generated, num_cached),
         )
 
     async def _stream(
@@ -143,10 +143,10 @@ class OpenAIServingCompletion(OpenAIServing):
                         choice.prompt_token_ids = prompts[i][1]
                     usage = None
                     if continuous_usage:
-                        usage = UsageInfo.of(num_prompt, num_generated, sum(num_cached.values()))
+                        usage = self.usage(num_prompt, num_generated, sum(num_cached.values()))
                     yield chunk([choice], usage)
             if include_usage:
-                yield chunk([], UsageInfo.of(num_prompt, num_generated, sum(num_cached.values())))
+                yield chunk([], self.usage(num_prompt, num_generated, sum(num_cached.values())))
         except Exception as e:
             yield from_exception(e).to_sse()
         finally:

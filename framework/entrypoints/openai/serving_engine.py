@@ -10,7 +10,7 @@ from typing import Any
 from tokenmill.engine.async_llm import AsyncLLM, RequestStream
 from tokenmill.engine.output_processor import RequestOutputKind
 from tokenmill.entrypoints.openai.errors import OpenAIError, from_exception
-from tokenmill.entrypoints.openai.protocol import SamplingFields
+from tokenmill.entrypoints.openai.protocol import SamplingFields, UsageInfo
 from tokenmill.entrypoints.openai.server_options import ServerOptions
 from tokenmill.entrypoints.openai.serving_models import ServedModels
 from tokenmill.lora.request import LoRARequest
@@ -92,6 +92,12 @@ class OpenAIServing:
         """The ``model`` a response names: the adapter the request asked for, else the base
         model's first name."""
         return request.model if request.model in self.models.adapters else self.models.model_name
+
+    def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> UsageInfo:
+        """A response's usage; ``prompt_tokens_details.cached_tokens`` (prompt tokens served
+        from the prefix cache) only under ``--enable-prompt-tokens-details``, as in vLLM."""
+        details = self.options.enable_prompt_tokens_details
+        return UsageInfo.of(prompt_tokens, completion_tokens, cached_tokens if details else None)
 
     def sampling_params(
         self,

@@ -40,6 +40,7 @@ class OpenAIServingTokenization(OpenAIServing):
                 request.continue_final_message,
                 request.chat_template_kwargs,
                 request.documents,
+                request.chat_template,
             )
         else:
             text = request.prompt

@@ -3,7 +3,9 @@ structured-output constraint that enforces ``"required"`` and a named function, 
 the model's output into OpenAI ``tool_calls``, whole or streamed.
 
 - a named function: the output is constrained to the function's parameters schema and is
-  that call's arguments (streamed as they are generated);
+  that call's arguments; streamed, the call is sent once its arguments are whole JSON (or the
+  output ended for another reason than ``length``), so a call cut short by ``max_tokens`` is
+  left out streamed or not;
 - ``"required"``: the output is constrained to a JSON array of ``{"name", "parameters"}``
   objects, one per call (at most one when ``parallel_tool_calls`` is false); streamed one
   complete call at a time;
@@ -123,7 +125,7 @@ def extract(
     OpenAI leaves it out."""
     if mode == "named":
         assert isinstance(request.tool_choice, NamedToolChoice)
-        if reason == "length" and not _is_json(text):
+        if not _named_call_whole(text, reason):
             return None, []
         name = request.tool_choice.function.name
         return None, [ToolCall(function=FunctionCall(name=name, arguments=text))]
@@ -160,7 +162,9 @@ class ToolCallStream:
         self._call_id = tool_call_id()
         self._parsed_upto = 0
 
-    def delta(self, delta_text: str) -> DeltaMessage | None:
+    def delta(self, delta_text: str, reason: str | None = None) -> DeltaMessage | None:
+        """The message for the next ``delta_text``; ``reason``: the completion's finish reason
+        once it has one."""
         previous, self.text = self.text, self.text + delta_text
         if self.mode is None:
             return DeltaMessage(content=delta_text) if delta_text else None
@@ -172,7 +176,7 @@ class ToolCallStream:
             self.num_calls = self.parser.streamed_tool_calls(self.index)
             return message
         if self.mode == "named":
-            return self._named(delta_text)
+            return self._named(delta_text, reason)
         calls, self._parsed_upto = _required_calls(self.text, self._parsed_upto)
         if not calls:
             return None
@@ -188,12 +192,14 @@ class ToolCallStream:
         self.num_calls += len(deltas)
         return DeltaMessage(tool_calls=deltas)
 
-    def _named(self, delta_text: str) -> DeltaMessage | None:
+    def _named(self, delta_text: str, reason: str | None) -> DeltaMessage | None:
         if self.num_calls == 0:
+            if not _named_call_whole(self.text, reason):
+                return None
             assert isinstance(self.request.tool_choice, NamedToolChoice)
             self.num_calls = 1
             function = DeltaFunctionCall(
-                name=self.request.tool_choice.function.name, arguments=delta_text
+                name=self.request.tool_choice.function.name, arguments=self.text
             )
             call = DeltaToolCall(index=0, id=self._call_id, type="function", function=function)
             return DeltaMessage(tool_calls=[call])
@@ -220,6 +226,12 @@ def _required_calls(text: str, pos: int) -> tuple[list[ToolCall], int]:
         arguments = json.dumps(obj.get("parameters", {}), ensure_ascii=False)
         calls.append(ToolCall(function=FunctionCall(name=obj["name"], arguments=arguments)))
         pos = end
+
+
+def _named_call_whole(text: str, reason: str | None) -> bool:
+    """Whether a named call's output so far (``reason``: its finish reason, None while it
+    runs) is a call to send: its arguments are whole JSON, or it ended other than cut short."""
+    return reason not in (None, "length") or _is_json(text)
 
 
 def _is_json(text: str) -> bool:
