@@ -11,4 +11,5 @@ from tokenmill.plugins import hookimpl
 
 @hookimpl
 def register_kv_connectors(register):
-    pass
+    register("storage", "tokenmill.kv_connectors.storage:StorageConnector")
+    register("offload", "tokenmill.kv_connectors.offload:OffloadConnector")
