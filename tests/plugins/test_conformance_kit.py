@@ -254,3 +254,21 @@ def test_broken_parts_fail_at_their_contract_point(tmp_path):
     assert report["model 'LlamaForCausalLM'"] == "4 of 5 contract points passed"
     assert report["quantization method 'neighbour-scale'"] == "2 of 5 contract points passed"
     assert report["quantization method 'keeps-float'"] == "4 of 5 contract points passed"
+
+
+KV_CONNECTOR_CONFTEST = """
+def pytest_tokenmill_kv_transfer_config(name, path):
+    if name == "storage":
+        return {"kv_connector": name, "kv_connector_extra_config": {"shared_storage_path": str(path)}}
+"""
+"""The ``storage`` connector needs a directory; ``offload`` runs on its defaults (a host tier)."""
+
+
+def test_first_party_kv_connectors_pass(tmp_path):
+    (tmp_path / "conftest.py").write_text(KV_CONNECTOR_CONFTEST)
+    result = run_kit(tmp_path, "--tokenmill-kv-connector", "storage", "--tokenmill-kv-connector", "offload")
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+    assert summary(result.stdout) == {
+        "KV connector 'storage'": "3 of 3 contract points passed",
+        "KV connector 'offload'": "3 of 3 contract points passed",
+    }, result.stdout[-4000:]
