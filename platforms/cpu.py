@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from tokenmill.config import EngineConfig
     from tokenmill.layers.activation import SiluAndMul
     from tokenmill.layers.layernorm import ResidualSum, RMSNorm
+    from tokenmill.layers.lora import LoRAApply
     from tokenmill.layers.rotary_embedding import RotaryEmbedding
     from tokenmill.layers.vocab_embedding import VocabParallelEmbedding
     from tokenmill.interfaces.decode_graph import DecodeGraphRunner
@@ -90,6 +91,20 @@ def embedding(layer: VocabParallelEmbedding, input_ids: torch.Tensor) -> torch.T
     return layer.forward_native(input_ids)
 
 
+def lora_apply(layer: LoRAApply, x: torch.Tensor, out: torch.Tensor) -> None:
+    """Batched LoRA by the C kernel (each token's slot, its adapter's rank only) for float32
+    2-D ``x`` and ``out``."""
+    slots = layer.mapping.token_slots
+    if slots is None:
+        return
+    if x.dim() == 2 and out.dim() == 2 and cpu_ops.supports(x, out, layer.lora_a, layer.lora_b):
+        cpu_ops.lora_apply(
+            out, x, layer.lora_a, layer.lora_b, slots, layer.slice_ranks, layer.slice_offsets, layer.max_rank
+        )
+    else:
+        layer.forward_native(x, out)
+
+
 class CpuPlatform(Platform):
     name = "cpu"
     device_type = "cpu"
@@ -101,6 +116,7 @@ class CpuPlatform(Platform):
         "silu_and_mul": silu_and_mul,
         "rotary_embedding": rotary_embedding,
         "embedding": embedding,
+        "lora_apply": lora_apply,
         "unquantized_linear": "tokenmill.platforms.cpu_linear:OneDNNLinearMethod",
         "unquantized_fused_moe": "tokenmill.platforms.cpu_fused_moe:OneDNNFusedMoEMethod",
     }

@@ -28,7 +28,10 @@ class CudaPlatform(Platform):
     supported_dtypes = (torch.bfloat16, torch.float16, torch.float32)
     """bfloat16 needs compute capability 8.0 (Ampere); ``check_and_update_config`` enforces it."""
     detection_priority = 10
-    custom_ops = {"unquantized_fused_moe": "tokenmill.platforms.cuda_fused_moe:TritonFusedMoEMethod"}
+    custom_ops = {
+        "unquantized_fused_moe": "tokenmill.platforms.cuda_fused_moe:TritonFusedMoEMethod",
+        "lora_apply": "tokenmill.platforms.cuda_lora:lora_apply",
+    }
     attn_backend_priority: tuple[str, ...] = ("flash_attn", "flashinfer", "triton", "torch")
     mla_backend_priority: tuple[str, ...] = ("triton_mla", "torch_mla")
 

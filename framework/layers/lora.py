@@ -9,7 +9,9 @@ over the output columns, so that per step
 
 adds every token's adapter with two GEMMs whatever the mix (the shrink and expand of punica's
 BGMV). The one-hot mask (:class:`LoRAMapping`, one per model, set once per step) is zero for
-tokens with no adapter and covers only the slots up to the highest one in use.
+tokens with no adapter and covers only the slots up to the highest one in use. That is the
+torch path (``forward_native``); the platforms' kernels (C on the CPU, Triton on GPUs) read
+each token's slot instead and only the first ``slice_ranks[slot, slice]`` rows of a slice.
 """
 
 from __future__ import annotations
@@ -26,9 +28,11 @@ class LoRAMapping:
     """Which slot each token of the step uses, shared by every LoRA layer of a model.
 
     ``onehot`` is ``[T, width]`` in the model dtype (``onehot[t, s] = 1`` when token ``t``
-    uses slot ``s``), or None when no token of the step uses an adapter."""
+    uses slot ``s``) and ``token_slots`` ``[T]`` int64 (token ``t``'s slot, -1 for none); both
+    None when no token of the step uses an adapter."""
 
     onehot: torch.Tensor | None = None
+    token_slots: torch.Tensor | None = None
 
 
 class LoRAApply(CustomOp):
@@ -60,6 +64,19 @@ class LoRAApply(CustomOp):
         self.register_buffer(
             "lora_b", torch.zeros(rows, sum(output_slices), dtype=dtype, device=device), persistent=False
         )
+        self.register_buffer(
+            "slice_ranks",
+            torch.zeros(max_loras, len(output_slices), dtype=torch.int64, device=device),
+            persistent=False,
+        )
+        """Per slot and output slice, the adapter's rank there (0: it leaves the slice alone)."""
+        offsets = [0]
+        for width in output_slices:
+            offsets.append(offsets[-1] + width)
+        self.register_buffer(
+            "slice_offsets", torch.tensor(offsets, dtype=torch.int64, device=device), persistent=False
+        )
+        """The output columns where each slice starts, and the total width."""
 
     def set_slot(self, slot: int, weights: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
         """Put one adapter in ``slot``: per output slice its ``(A [r, in], B [out, r])`` (the
@@ -67,6 +84,7 @@ class LoRAApply(CustomOp):
         base = slot * self.slot_rows
         self.lora_a[base : base + self.slot_rows].zero_()
         self.lora_b[base : base + self.slot_rows].zero_()
+        self.slice_ranks[slot].copy_(torch.tensor([0 if p is None else p[0].shape[0] for p in weights]))
         offset = 0
         for i, (width, pair) in enumerate(zip(self.output_slices, weights)):
             if pair is not None:

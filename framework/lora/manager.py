@@ -93,7 +93,7 @@ class LoRAManager:
         self.num_steps += 1
         ids = [int(i) for i in np.unique(token_lora_ids) if i > 0]
         if not ids:
-            self.mapping.onehot = None
+            self.mapping.onehot = self.mapping.token_slots = None
             return
         if len(ids) > len(self.slots):
             raise RuntimeError(f"{len(ids)} adapters in one step; max_loras={len(self.slots)}")
@@ -106,6 +106,7 @@ class LoRAManager:
         onehot = torch.zeros(len(token_slots), int(token_slots.max()) + 1, dtype=self.dtype)
         onehot[torch.from_numpy(used), torch.from_numpy(token_slots[used])] = 1
         self.mapping.onehot = onehot.to(self.device)
+        self.mapping.token_slots = torch.from_numpy(token_slots).to(self.device)
 
     def _slot_of(self, lora_id: int, step_ids: list[int]) -> int:
         """The slot holding ``lora_id``, after loading it into a free slot or the least

@@ -32,7 +32,10 @@ from tokenmill import envs
 
 logger = logging.getLogger(__name__)
 
-SOURCES = ("attention.c", "embedding.c", "norm.c", "activation.c", "rotary.c", "gguf.c", "quant_int.c", "quant_fp8.c")
+SOURCES = (
+    "attention.c", "embedding.c", "norm.c", "activation.c", "rotary.c", "gguf.c", "quant_int.c", "quant_fp8.c",
+    "lora.c",
+)
 FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 # TOKENMILL_CPU_ISA: the compiler's instruction-set flags and the /proc/cpuinfo flags they need.
 ISA_FLAGS: dict[str, tuple[list[str], tuple[str, ...]]] = {
@@ -65,6 +68,7 @@ SIGNATURES = {
     "w8a8_linear": [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _INT],
     "fp8_linear": [_PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _INT],
     "fp8_dequantize": [_PTR, _PTR, _PTR, _I64, _I64, _INT],
+    "lora_apply": [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _INT],
 }
 
 
@@ -297,4 +301,27 @@ def rotary_embedding(
         positions.data_ptr(), query.data_ptr(), query.stride(0), key.data_ptr(), key.stride(0),
         cos_sin_cache.data_ptr(), t, query.shape[1] // head_size, key.shape[1] // head_size,
         head_size, rotary_dim, int(is_neox_style), torch.get_num_threads(),
+    )
+
+
+def lora_apply(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    token_slots: torch.Tensor,
+    slice_ranks: torch.Tensor,
+    slice_offsets: torch.Tensor,
+    max_rank: int,
+) -> None:
+    """Batched LoRA (``csrc/lora.c``): ``out [T, N] +=`` each token's slot adapter applied to
+    ``x [T, K]`` (rows of both may be strided, features contiguous). ``lora_a`` [L*S*R, K] and
+    ``lora_b`` [L*S*R, N] (contiguous) stack ``max_rank`` (R) rows per slot and slice, of which
+    the first ``slice_ranks`` [L, S] are used; ``slice_offsets`` [S + 1] are the slices' output
+    columns; ``token_slots`` [T] is each token's slot, -1 for none."""
+    token_slots, slice_ranks, slice_offsets = _int64(token_slots), _int64(slice_ranks), _int64(slice_offsets)
+    load().lora_apply(
+        out.data_ptr(), out.stride(0), x.data_ptr(), x.stride(0), lora_a.data_ptr(), lora_b.data_ptr(),
+        token_slots.data_ptr(), slice_ranks.data_ptr(), slice_offsets.data_ptr(), x.shape[0], x.shape[1],
+        out.shape[1], slice_ranks.shape[1], max_rank, torch.get_num_threads(),
     )

@@ -36,13 +36,60 @@ def _loop_reference(x, slots, adapters, widths):
     return out
 
 
+def _set_mapping(mapping: LoRAMapping, slots: list[int]) -> None:
+    """The step mapping of ``slots`` (-1: no adapter), as ``LoRAManager.set_step`` sets it."""
+    onehot = torch.zeros(len(slots), max(slots) + 1)
+    for t, s in enumerate(slots):
+        if s >= 0:
+            onehot[t, s] = 1
+    mapping.onehot, mapping.token_slots = onehot, torch.tensor(slots, dtype=torch.int64)
+
+
+def _triton_bgmv(layer: LoRAApply, x: torch.Tensor, out: torch.Tensor) -> None:
+    """The CUDA platform's Triton kernel, on the GPU when there is one, else under the
+    interpreter on the CPU (conftest sets ``TRITON_INTERPRET``)."""
+    triton = pytest.importorskip("triton")
+    if not torch.cuda.is_available() and type(triton.language.sum).__name__ != "InterpretedFunction":
+        raise RuntimeError("triton was imported without TRITON_INTERPRET=1 on a machine without a GPU")
+    from tokenmill.platforms.cuda_lora import lora_bgmv
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    moved = [t.to(device) for t in (out, x, layer.lora_a, layer.lora_b, layer.mapping.token_slots,
+                                     layer.slice_ranks, layer.slice_offsets)]
+    lora_bgmv(*moved, layer.max_rank, max(layer.output_slices))
+    out.copy_(moved[0].cpu())
+
+
+def _build(impl: str, *args) -> LoRAApply:
+    if impl == "cpu_c":
+        from tokenmill.attention_backends.torch_ref import TorchRefBackend
+        from tokenmill.layers.build_context import BuildContext, model_build_context
+        from tokenmill.platforms.cpu import CpuPlatform
+
+        ops = CpuPlatform.get_ops()
+        assert "lora_apply" in ops, "the C kernels should build on this machine"
+        with model_build_context(BuildContext(TorchRefBackend, ops=ops)):
+            return LoRAApply(*args)
+    return LoRAApply(*args)
+
+
+@pytest.mark.parametrize("impl", ["torch", "cpu_c", "triton"])
 @pytest.mark.parametrize("widths", [[37], [41, 13, 13], [29, 29]])
-def test_lora_apply_matches_per_row_loop(widths):
+def test_lora_apply_matches_per_row_loop(widths, impl, monkeypatch):
+    """Ranks 8-64 (and 17, 33: not multiples of the kernels' blocks), odd sizes, slices an
+    adapter leaves alone, tokens without an adapter, a strided output; each implementation:
+    the torch path, the CPU platform's C kernel, the CUDA platform's Triton kernel."""
+    from tokenmill.ops import cpu as cpu_ops
+
+    calls = []
+    c_kernel = cpu_ops.lora_apply
+    monkeypatch.setattr(cpu_ops, "lora_apply", lambda *a: calls.append(1) or c_kernel(*a))
     torch.manual_seed(0)
     max_loras, max_rank, in_features, tokens = 4, 64, 53, 23
     ranks = [8, 64, 17, 33]
     mapping = LoRAMapping()
-    layer = LoRAApply(mapping, max_loras, max_rank, in_features, widths, torch.float32, torch.device("cpu"))
+    layer = _build(impl, mapping, max_loras, max_rank, in_features, widths, torch.float32, torch.device("cpu"))
+    apply = (lambda x, out: _triton_bgmv(layer, x, out)) if impl == "triton" else layer
     adapters = []
     for slot, rank in enumerate(ranks):
         pairs = [
@@ -56,21 +103,19 @@ def test_lora_apply_matches_per_row_loop(widths):
     slots = [s if s < max_loras else -1 for s in slots]
     assert -1 in slots and set(range(max_loras)) <= set(slots)
     for used in (slots, [s if s in (-1, 1) else -1 for s in slots]):
-        width = max(used) + 1
-        onehot = torch.zeros(tokens, width)
-        for t, s in enumerate(used):
-            if s >= 0:
-                onehot[t, s] = 1
-        mapping.onehot = onehot
+        _set_mapping(mapping, used)
         base = torch.randn(tokens, sum(widths))
-        out = base.clone()
-        layer(x, out)
+        out = torch.randn(tokens, sum(widths) + 5)[:, 2 : 2 + sum(widths)]  # rows strided
+        out.copy_(base)
+        apply(x, out)
         expected = base.double() + _loop_reference(x, used, adapters, widths)
         torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-3)
-    mapping.onehot = None
-    out = base.clone()
-    layer(x, out)
-    assert torch.equal(out, base)
+    assert len(calls) == (2 if impl == "cpu_c" else 0)
+    if impl != "triton":
+        mapping.onehot = mapping.token_slots = None
+        out = base.clone()
+        layer(x, out)
+        assert torch.equal(out, base)
 
 
 def test_set_slot_replaces_the_previous_adapter():
