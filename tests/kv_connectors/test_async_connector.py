@@ -149,4 +149,3 @@ def test_abort_while_loading_holds_blocks_until_loaded(tiny, late, tmp_path):
         steps += 1
     assert steps >= LATE_STEPS - 1
     assert core.get_stats()["kv_blocks_free"] == 64 and not core.scheduler.held
-
