@@ -149,3 +149,29 @@ def test_abort_while_loading_holds_blocks_until_loaded(tiny, late, tmp_path):
         steps += 1
     assert steps >= LATE_STEPS - 1
     assert core.get_stats()["kv_blocks_free"] == 64 and not core.scheduler.held
+
+
+class FailingLoads(StorageConnector):
+    """Storage whose loads fail on the worker."""
+
+    def start_load_kv(self) -> None:
+        if self._get_connector_metadata().loads:
+            raise RuntimeError("the KV store went away")
+
+
+def test_failed_load_leaves_nothing_in_the_prefix_cache(tiny, monkeypatch, tmp_path):
+    monkeypatch.setattr(plugins, "_runtime", [])
+    plugins.register_kv_connector("failing", "test_async_connector:FailingLoads")
+    try:
+        _llm(tiny, "storage", tmp_path).generate(_prompts()[:1], PARAMS, use_tqdm=False)
+        llm = _llm(tiny, "failing", tmp_path)
+        engine = llm.llm_engine
+        core = engine.engine_core.engine_core
+        engine.add_request("r", _prompts()[0], PARAMS)
+        with pytest.raises(RuntimeError, match="the KV store went away"):
+            core.step()
+        assert core.failed_req_ids and not core.kv_cache_manager.pool.cached
+        assert core.get_stats()["kv_blocks_free"] == 64
+    finally:
+        monkeypatch.undo()
+        plugins.reload_plugins()
