@@ -68,6 +68,7 @@ NOT_RUN = {
     "curl -X POST localhost:8000/v1/load_lora_adapter": "tests/server/test_lora_server.py loads adapters through this endpoint",
     "curl -X POST localhost:8000/v1/unload_lora_adapter": "tests/server/test_lora_server.py unloads adapters through this endpoint",
     "WEB_UI_SCREENSHOT_DIR=": "the browser tests themselves, which the suite runs (tests/server/test_web_ui_browser.py)",
+    "tokenmill serve --port 8000 --kv-transfer-config": "parsed only: tests/kv_connectors/ runs the storage and offload connectors on tiny models",
     "tokenmill bench latency": "parsed only: the documented sizes take minutes; tests/e2e/test_progress.py runs it on a tiny model",
 }
 """Shell commands not run as written (prefix -> why, and where they are exercised)."""

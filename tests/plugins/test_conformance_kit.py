@@ -272,3 +272,28 @@ def test_first_party_kv_connectors_pass(tmp_path):
         "KV connector 'storage'": "3 of 3 contract points passed",
         "KV connector 'offload'": "3 of 3 contract points passed",
     }, result.stdout[-4000:]
+
+
+BROKEN_CONNECTORS_CONFTEST = """
+from tokenmill import plugins
+
+plugins.register_kv_connector("loads-into-neighbour", "kit_broken_connectors:LoadsIntoNeighbour")
+plugins.register_kv_connector("loads-when-asked", "kit_broken_connectors:LoadsWhenAsked")
+plugins.register_kv_connector("never-sends", "kit_broken_connectors:NeverSends")
+"""
+
+
+def test_broken_kv_connectors_fail_at_their_contract_point(tmp_path):
+    (tmp_path / "conftest.py").write_text(BROKEN_CONNECTORS_CONFTEST)
+    names = ("loads-into-neighbour", "loads-when-asked", "never-sends")
+    result = run_kit(tmp_path, *[a for n in names for a in ("--tokenmill-kv-connector", n)], pythonpath=[TESTS])
+    out = result.stdout
+    assert result.returncode == 1, out[-6000:] + result.stderr[-3000:]
+    failed = {line.split(" - ")[0].split("::")[-1] for line in out.splitlines() if line.startswith("FAILED")}
+    assert failed == {
+        "test_save_then_load_round_trips[loads-into-neighbour]",
+        "test_matching_has_no_side_effects[loads-when-asked]",
+        "test_save_then_load_round_trips[never-sends]",
+        "test_matching_has_no_side_effects[never-sends]",
+        "test_blocks_released_after_request_finished[never-sends]",
+    }, out[-4000:]
