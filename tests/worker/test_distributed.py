@@ -266,6 +266,8 @@ def test_tp2_llama_behind_the_engine_process_then_a_worker_is_killed(tiny_models
             while engine.is_running() or any(alive(p) for p in workers + [core_pid]):
                 assert time.monotonic() < deadline, "engine or workers still alive"
                 await asyncio.sleep(0.1)
+            # The core's last message (the error) carries no stats: the latest ones remain.
+            assert engine.get_stats()["kv_blocks_total"] == stats["kv_blocks_total"]
         finally:
             engine.shutdown()
 
