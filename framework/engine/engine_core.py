@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from tokenmill import envs
 from tokenmill.config import EngineConfig
+from tokenmill.core.block_pool import KVCacheEvent
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.kv_cache_utils import make_block_hasher
 from tokenmill.core.request import Request, RequestStatus
@@ -44,6 +45,8 @@ class EngineCoreOutputs:
     failed_req_ids: list[str] = field(default_factory=list)
     num_scheduled_tokens: int = 0
     """Tokens the step ran (prompt and generated; 0: no step ran)."""
+    kv_events: list[KVCacheEvent] = field(default_factory=list)
+    """The prefix-cache index's changes in the step."""
 
 
 class EngineCore:
@@ -205,6 +208,7 @@ class EngineCore:
             list(scheduler_output.num_scheduled_tokens),
             start,
             num_scheduled_tokens=scheduler_output.total_num_scheduled_tokens,
+            kv_events=self.kv_cache_manager.pool.take_events(),
         )
 
     def _admit_compiled(self) -> list[EngineCoreOutput]:

@@ -502,3 +502,19 @@ def test_still_serving_after_everything(server, client):
     out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0)
     assert out.choices[0].text
     server.wait_idle()
+
+
+def test_kv_events_publish_the_prompt_blocks(server, client):
+    """``GET /kv_events``: the prefix cache's BlockStored events, which a router follows."""
+    start = httpx.get(server.url + "/kv_events", timeout=10).json()
+    assert start["reset"] and start["events"] == []
+    prompt = "one two three four five six seven eight nine ten " * 8
+    usage = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1).usage
+    params = {"after": start["seq"], "log_id": start["log_id"]}
+    after = httpx.get(server.url + "/kv_events", params=params, timeout=10).json()
+    assert not after["reset"] and after["seq"] > start["seq"]
+    stored = [h for e in after["events"] if e["type"] == "BlockStored" for h in e["block_hashes"]]
+    assert len(stored) >= usage.prompt_tokens // 16
+    assert all(len(h) == 64 for h in stored)
+    snapshot = httpx.get(server.url + "/kv_events", timeout=10).json()
+    assert set(stored) <= set(snapshot["blocks"])
