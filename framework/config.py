@@ -16,6 +16,7 @@ from tokenmill.engine_args import (
     EngineArgs,
 )
 from tokenmill.kv_cache_dtype import KV_CACHE_DTYPES
+from tokenmill.kv_transfer_config import KVTransferConfig
 from tokenmill.speculative_config import SpeculativeConfig
 
 if TYPE_CHECKING:
@@ -51,6 +52,8 @@ class EngineConfig(EngineArgs):
     kv_cache_torch_dtype: torch.dtype = field(init=False, default=torch.float32)
     speculative: SpeculativeConfig | None = field(init=False, default=None)
     draft_hf_config: Any = field(init=False, default=None)
+    kv_transfer: KVTransferConfig | None = field(init=False, default=None)
+    """``kv_transfer_config``, checked."""
     data_parallel_rank: int = field(init=False, default=0)
     """Which of the ``data_parallel_size`` engine cores this configuration builds."""
 
@@ -101,6 +104,10 @@ class EngineConfig(EngineArgs):
             raise ValueError("calculate_kv_scales needs an FP8 KV cache (kv_cache_dtype='fp8')")
         if self.speculative_config is not None:
             self.speculative = SpeculativeConfig.from_dict(self.speculative_config)
+        if isinstance(self.kv_transfer_config, KVTransferConfig):
+            self.kv_transfer = self.kv_transfer_config
+        elif self.kv_transfer_config is not None:
+            self.kv_transfer = KVTransferConfig.from_dict(self.kv_transfer_config)
         if self.distributed_executor_backend not in (None, *get_args(DistributedExecutorBackend)):
             raise ValueError(
                 f"distributed_executor_backend must be one of "
@@ -119,6 +126,7 @@ class EngineConfig(EngineArgs):
                 f"speculative_config at None"
             )
         self._check_lora()
+        self._check_kv_transfer()
         self._refuse_missing_features()
 
     def _check_lora(self) -> None:
@@ -148,6 +156,25 @@ class EngineConfig(EngineArgs):
                 f"enable_lora with speculative decoding by {self.speculative.method!r} is not "
                 f"implemented (its draft model would run without the adapters); use the ngram "
                 f"method or leave speculative_config at None"
+            )
+
+    def _check_kv_transfer(self) -> None:
+        """A KV connector moves whole blocks of one rank's cache, found by their prefix hashes."""
+        if self.kv_transfer is None:
+            return
+        for name, wanted in (
+            ("tensor_parallel_size", self.tensor_parallel_size > 1),
+            ("speculative_config", self.speculative is not None),
+        ):
+            if wanted:
+                raise ValueError(
+                    f"kv_transfer_config with {name}={getattr(self, name)!r} is not implemented "
+                    f"yet; leave one of them at its default"
+                )
+        if not self.enable_prefix_caching:
+            raise ValueError(
+                "kv_transfer_config needs enable_prefix_caching=True: connectors find and "
+                "place blocks by their prefix-cache hashes"
             )
 
     def _refuse_missing_features(self) -> None:

@@ -34,6 +34,8 @@ def resolve_config(config: EngineConfig) -> EngineConfig:
     _check_tensor_parallel(config)
     if config.speculative is not None:
         _check_speculative(config, config.speculative)
+    if config.kv_transfer is not None:
+        _check_kv_connector(config.kv_transfer.kv_connector)
     if config.gpu_memory_utilization is not None and config.platform_cls.device_type == "cpu":
         raise ValueError(
             f"gpu_memory_utilization applies to GPU platforms only; platform "
@@ -118,6 +120,15 @@ def _check_tensor_parallel(config: EngineConfig) -> None:
             raise ValueError(
                 f"tensor_parallel_size={tp} does not divide the model's {name} ({size})"
             )
+
+
+def _check_kv_connector(name: str) -> None:
+    registry = plugins.get_registry("kv_connectors")
+    if name not in registry:
+        raise ValueError(
+            f"kv_transfer_config['kv_connector'] {name!r} is not a registered KV connector; "
+            f"registered: {', '.join(registry.names()) or 'none'}{registry.filter_suffix()}"
+        )
 
 
 def _check_speculative(config: EngineConfig, spec: SpeculativeConfig) -> None:

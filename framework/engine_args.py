@@ -103,6 +103,12 @@ class EngineArgs:
         "prompt_lookup_max (ngram's; with a method that runs a model, drafts from the lookup "
         "where it matches), disable_by_batch_size",
     )
+    kv_transfer_config: dict[str, Any] | None = _arg(
+        None,
+        "KV connector, as a JSON object with vLLM's keys: kv_connector (storage, offload or a "
+        "plugin's), kv_role (kv_producer, kv_consumer or kv_both), kv_connector_extra_config "
+        "(the connector's own settings); LLM(...) also takes a KVTransferConfig",
+    )
     tensor_parallel_size: int = _arg(
         1,
         "tensor-parallel ranks: each holds a slice of every layer's heads and MLP, one worker "

@@ -73,7 +73,7 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
         "list",
         None,
         "comma-separated entry-point names of the plugins to load (the built-ins: platforms, "
-        "attention_backends, models, spec_decode, quantization, commands, tool_parsers); unset: all "
+        "attention_backends, models, spec_decode, quantization, commands, tool_parsers, kv_connectors); unset: all "
         "installed",
     ),
     "TOKENMILL_PLATFORM": EnvVar(

@@ -1,7 +1,7 @@
 """Plugin loading: pluggy hook specs, entry points and the registries they fill.
 
-Every platform, attention backend, model architecture, proposer, quantization method and
-``tokenmill`` subcommand is registered through a ``register(name, "package.module:Class")``
+Every platform, attention backend, model architecture, proposer, quantization method, KV
+connector and ``tokenmill`` subcommand is registered through a ``register(name, "package.module:Class")``
 callback handed to a hook implementation. First-party parts come through the same ``tokenmill.plugins`` entry points as
 third-party ones. Targets are imported only when chosen.
 """
@@ -37,6 +37,7 @@ KINDS = {
     "quantization_methods": "register_quantization_methods",
     "commands": "register_commands",
     "tool_parsers": "register_tool_parsers",
+    "kv_connectors": "register_kv_connectors",
 }
 
 
@@ -73,6 +74,11 @@ class HookSpecs:
     def register_tool_parsers(self, register: Callable[[str, str], None]) -> None:
         """Register tool-call parsers (``ToolParser`` subclasses) by the name
         ``--tool-call-parser`` takes: ``register("hermes", "pkg.mod:HermesParser")``."""
+
+    @hookspec
+    def register_kv_connectors(self, register: Callable[[str, str], None]) -> None:
+        """Register KV connectors (``KVConnectorBase`` subclasses) by the name
+        ``kv_transfer_config["kv_connector"]`` takes: ``register("storage", "pkg.mod:Cls")``."""
 
 
 class PluginError(RuntimeError):
@@ -310,7 +316,7 @@ def reload_plugins() -> PluginManager:
 
 def get_registry(kind: str, strict: bool = True) -> Registry:
     """The registry of one kind: platforms, attention_backends, models, proposers,
-    quantization_methods, commands, tool_parsers; ``strict`` as in ``get_plugin_manager``."""
+    quantization_methods, commands, tool_parsers, kv_connectors; ``strict`` as in ``get_plugin_manager``."""
     if kind not in KINDS:
         raise ValueError(f"unknown plugin kind {kind!r}; expected one of {', '.join(KINDS)}")
     return get_plugin_manager(strict).registries[kind]
@@ -367,6 +373,11 @@ def register_quantization_method(name: str, target: str | type) -> None:
 def register_tool_parser(name: str, target: str | type) -> None:
     """``register("tool_parsers", name, target)``."""
     register("tool_parsers", name, target)
+
+
+def register_kv_connector(name: str, target: str | type) -> None:
+    """``register("kv_connectors", name, target)``."""
+    register("kv_connectors", name, target)
 
 
 class ModelRegistry:

@@ -6,6 +6,7 @@ import enum
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from tokenmill.lora.request import LoRARequest
 from tokenmill.sampling_params import SamplingParams
@@ -68,6 +69,8 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)
     block_hasher: Callable[[Request], None] | None = None
     structured_output_request: StructuredOutputRequest | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    """What the client sent for this request's KV connector (vLLM's ``kv_transfer_params``)."""
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -145,6 +145,7 @@ class EngineCore:
             cache_salt=request.cache_salt,
             lora_request=request.lora_request,
             block_hasher=self.block_hasher,
+            kv_transfer_params=request.kv_transfer_params,
         )
         if req.sampling_params.structured_outputs is None:
             self.scheduler.add_request(req)

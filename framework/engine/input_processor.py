@@ -34,6 +34,8 @@ class EngineCoreRequest:
     priority: int = 0
     cache_salt: str | None = None
     lora_request: LoRARequest | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    """vLLM's ``kv_transfer_params``: what the client sent for the request's KV connector."""
 
 
 @dataclass

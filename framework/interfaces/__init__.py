@@ -9,6 +9,14 @@ from tokenmill.interfaces.attention import (
 )
 from tokenmill.interfaces.build_context import BuildContext
 from tokenmill.interfaces.decode_graph import DecodeGraphRunner, GraphCapturableBuilder
+from tokenmill.interfaces.kv_connector import (
+    KVConnectorBase,
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorOutput,
+    KVConnectorRequest,
+    KVConnectorRole,
+)
 from tokenmill.interfaces.kv_cache_spec import FullAttentionSpec, KVCacheSpec, MLAAttentionSpec
 from tokenmill.interfaces.model import CausalLM, SupportsEagle3, SupportsMTP
 from tokenmill.interfaces.platform import Platform
@@ -29,6 +37,12 @@ __all__ = [
     "FusedMoEMethod",
     "GraphCapturableBuilder",
     "KVCacheSpec",
+    "KVConnectorBase",
+    "KVConnectorBase_V1",
+    "KVConnectorMetadata",
+    "KVConnectorOutput",
+    "KVConnectorRequest",
+    "KVConnectorRole",
     "LinearMethod",
     "MLAAttentionSpec",
     "Platform",

@@ -29,6 +29,7 @@ BASE_MODULES = (
     "engine_args",
     "config",
     "speculative_config",
+    "kv_transfer_config",
     "sampling_params",
     "forward_context",
     "distributed",
@@ -48,7 +49,7 @@ PUBLIC_API: dict[str, str] = {
 """Top-level modules of ``tokenmill`` a plugin may import, and what each is for. docs/plugins.md
 shows this table; a test keeps the two equal."""
 
-PLUGIN_PACKAGES = ("platforms", "attention_backends", "models", "spec_decode", "quant")
+PLUGIN_PACKAGES = ("platforms", "attention_backends", "models", "spec_decode", "quant", "kv_connectors")
 """The first-party plugin packages (each its own folder, registered through an entry point)."""
 
 REUSABLE_MODULES = ("models.llama", "models.qwen2", "models.deepseek_v2")

@@ -174,7 +174,7 @@ def test_tokenmill_plugins_filters_entry_points(fake_plugin, allowed, present, a
 
 BROKEN_PREFIX = "plugin 'broken' from distribution 'broken-dist' "
 HOOKS = "register_platforms, register_attention_backends, register_models, register_proposers, " \
-    "register_quantization_methods, register_commands, register_tool_parsers"
+    "register_quantization_methods, register_commands, register_tool_parsers, register_kv_connectors"
 
 BROKEN = {
     "import-error": (
@@ -377,8 +377,8 @@ def test_misspelled_tokenmill_plugins_names_the_unknown_and_installed_plugins(si
     site.mp.setenv("TOKENMILL_PLUGINS", "platfroms, models")
     message = (
         "TOKENMILL_PLUGINS names unknown plugin(s) 'platfroms'; "
-        "installed plugins: attention_backends, commands, models, platforms, quantization, "
-        "spec_decode, tool_parsers"
+        "installed plugins: attention_backends, commands, kv_connectors, models, platforms, "
+        "quantization, spec_decode, tool_parsers"
     )
     with pytest.raises(ValueError) as err:
         plugins.reload_plugins()
@@ -389,8 +389,8 @@ def test_misspelled_tokenmill_plugins_names_the_unknown_and_installed_plugins(si
 
 
 FILTERED = (
-    "(TOKENMILL_PLUGINS='models' excluded the plugin(s) attention_backends, commands, platforms, "
-    "quantization, spec_decode, tool_parsers)"
+    "(TOKENMILL_PLUGINS='models' excluded the plugin(s) attention_backends, commands, "
+    "kv_connectors, platforms, quantization, spec_decode, tool_parsers)"
 )
 EXCLUDED_BY_FILTER = {
     "auto": (RuntimeError, lambda model: select_platform(), "no available platform among none"),

@@ -1,0 +1,14 @@
+"""First-party KV connectors: ``storage`` (KV blocks of prompts saved to a directory keyed by
+their block hashes, loaded by any engine that sees the same prefix) and ``offload`` (blocks kept
+in a bounded host-memory tier, then a bounded disk tier that survives restarts).
+
+Connectors implement ``tokenmill.interfaces.KVConnectorBase`` and are registered through the
+``register_kv_connectors`` hook of a ``tokenmill.plugins`` entry point.
+"""
+
+from tokenmill.plugins import hookimpl
+
+
+@hookimpl
+def register_kv_connectors(register):
+    pass
