@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.request import Request, RequestStatus
@@ -67,6 +68,8 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     new_prompt_logprobs: LogprobsLists | None = None
     """All the prompt's logprobs, with the request's first token."""
+    kv_transfer_params: dict[str, Any] | None = None
+    """With the last output: what the KV connector's ``request_finished`` returned."""
 
 
 class Scheduler:
