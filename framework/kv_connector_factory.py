@@ -4,11 +4,15 @@ from __future__ import annotations
 
 from tokenmill import plugins
 from tokenmill.config import EngineConfig
+from tokenmill.interfaces.kv_cache_spec import KVCacheSpec
 from tokenmill.interfaces.kv_connector import KVConnectorBase, KVConnectorRole
 
 
 def create_kv_connector(
-    config: EngineConfig, role: KVConnectorRole, rank: int = 0
+    config: EngineConfig,
+    role: KVConnectorRole,
+    rank: int,
+    kv_cache_specs: dict[str, KVCacheSpec],
 ) -> KVConnectorBase | None:
     """The connector ``config.kv_transfer`` names, as ``role``; None without one. An unknown
     name is a ``ValueError`` listing the registered connectors."""
@@ -20,4 +24,4 @@ def create_kv_connector(
             f"KV connector {config.kv_transfer.kv_connector!r} ({cls!r}) is not a "
             f"KVConnectorBase subclass"
         )
-    return cls(config, role, rank)
+    return cls(config, role, rank, kv_cache_specs)

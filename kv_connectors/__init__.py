@@ -12,4 +12,6 @@ from tokenmill.plugins import hookimpl
 
 @hookimpl
 def register_kv_connectors(register):
+    register("storage", "tokenmill.kv_connectors.storage:StorageConnector")
+    register("offload", "tokenmill.kv_connectors.offload:OffloadConnector")
     register("p2p", "tokenmill.kv_connectors.p2p:P2pConnector")

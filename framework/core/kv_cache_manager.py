@@ -76,11 +76,14 @@ class KVCacheManager:
         new_computed_blocks: list[KVCacheBlock] | None = None,
         num_lookahead_tokens: int = 0,
         admit: bool = False,
+        index: bool = True,
     ) -> list[KVCacheBlock] | None:
         """Give ``request`` room for ``num_new_tokens`` (plus ``num_lookahead_tokens`` draft
         slots) after its computed tokens and the prefix-cache hits. Returns the newly allocated
         blocks, or None (allocating nothing) when the pool can't hold them. ``admit`` applies the
-        watermark: a waiting request is only admitted if that many blocks stay free."""
+        watermark: a waiting request is only admitted if that many blocks stay free. Without
+        ``index`` the new full blocks are not indexed in the prefix cache yet (a KV connector
+        is still loading them): a later call indexes them."""
         new_computed_blocks = new_computed_blocks or []
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
         num_computed = request.num_computed_tokens + num_new_computed_tokens
@@ -97,7 +100,7 @@ class KVCacheManager:
         blocks.extend(new_computed_blocks)
         new_blocks = self.pool.get_new_blocks(max(num_new_blocks, 0))
         blocks.extend(new_blocks)
-        if self.enable_caching:
+        if self.enable_caching and index:
             num_full = min(
                 (num_computed + num_new_tokens) // self.block_size, len(request.block_hashes)
             )

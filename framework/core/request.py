@@ -14,9 +14,12 @@ from tokenmill.structured_output.request import StructuredOutputRequest
 
 
 class RequestStatus(enum.IntEnum):
-    """WAITING -> RUNNING -> (PREEMPTED -> WAITING ->) ... -> one of the FINISHED states."""
+    """WAITING -> RUNNING -> (PREEMPTED -> WAITING ->) ... -> one of the FINISHED states.
+    A request whose KV a connector loads asynchronously waits in WAITING_FOR_REMOTE_KVS (in
+    the waiting queue, holding its blocks) until the load finished, then is WAITING again."""
 
     WAITING = enum.auto()
+    WAITING_FOR_REMOTE_KVS = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     FINISHED_STOPPED = enum.auto()

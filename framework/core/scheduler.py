@@ -17,6 +17,14 @@ tokens join the step's budget, and its blocks include ``num_lookahead_tokens`` m
 the proposer's own cache writes. Drafts the target rejects roll ``num_computed_tokens`` back.
 Blocks are indexed in the prefix cache only over verified tokens (``block_hashes`` covers
 ``all_token_ids``, never drafts).
+
+With a KV connector, a waiting request's tokens past its local prefix-cache hits may come from
+the connector (``get_num_new_matched_tokens``): they count as computed, in blocks the connector
+fills before the step's forward pass. A connector that loads asynchronously leaves the request
+in ``WAITING_FOR_REMOTE_KVS``, holding its blocks, until a worker reports the load finished;
+the other requests are scheduled meanwhile. A finished request's blocks stay held while the
+connector sends them (``request_finished`` returns ``delay_free``), until a worker reports them
+sent; so do those of a request aborted while its load runs, until the load finished.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.request_queue import make_queue
 from tokenmill.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from tokenmill.core.spec_decode_stats import SpecDecodingStats
+from tokenmill.interfaces.kv_connector import KVConnectorBase, KVConnectorOutput
 from tokenmill.logprobs import LogprobsLists
 
 
@@ -69,13 +78,36 @@ class EngineCoreOutput:
     new_prompt_logprobs: LogprobsLists | None = None
     """All the prompt's logprobs, with the request's first token."""
     kv_transfer_params: dict[str, Any] | None = None
-    """With the last output: what the KV connector's ``request_finished`` returned."""
+    """What the KV connector returned for the finished request (vLLM's ``kv_transfer_params``)."""
+
+
+@dataclass
+class ExternalPrefixStats:
+    """Tokens of admitted requests looked up in the KV connector, and those it supplied."""
+
+    queries: int = 0
+    hits: int = 0
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_cache_manager: KVCacheManager,
+        connector: KVConnectorBase | None = None,
+    ) -> None:
         self.config = config
         self.kv = kv_cache_manager
+        self.connector = connector
+        """The KV connector's scheduler side, if the engine runs one."""
+        self.external_stats = ExternalPrefixStats()
+        self.loading: set[str] = set()
+        """Requests in ``WAITING_FOR_REMOTE_KVS``."""
+        self.finished_recving: set[str] = set()
+        """Requests whose asynchronous load finished, not yet scheduled again."""
+        self.held: dict[str, Request] = {}
+        """Finished requests whose blocks stay held until the connector reports them sent
+        (or, for one aborted while loading, loaded)."""
         self.requests: dict[str, Request] = {}
         self.waiting = make_queue(config.policy)
         self.running: list[Request] = []
@@ -89,6 +121,11 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.running) or len(self.waiting) > 0
+
+    def has_held_blocks(self) -> bool:
+        """Whether finished requests' blocks wait for the KV connector (steps must go on for
+        the workers to report them)."""
+        return bool(self.held)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.running) + len(self.waiting)
@@ -157,6 +194,8 @@ class Scheduler:
             speculate=cfg.num_speculative_tokens > 0
             and not 0 < cfg.disable_by_batch_size <= len(self.running),
         )
+        if self.connector is not None:
+            out.kv_connector_metadata = self.connector.build_connector_meta(out)
         self.finished_req_ids = set()
         return out
 
@@ -190,23 +229,57 @@ class Scheduler:
                 lora_blocked = True
                 skipped.append(self.waiting.pop())
                 continue
-            hits, num_hit_tokens = self.kv.get_computed_blocks(req)
-            num_new = self._num_new_tokens(req, num_hit_tokens, budget)
+            if req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                if req.request_id not in self.finished_recving:
+                    skipped.append(self.waiting.pop())
+                    continue
+                self.finished_recving.discard(req.request_id)
+                self.loading.discard(req.request_id)
+                req.status = RequestStatus.WAITING
+                hits, num_local, num_external, load_async = [], req.num_computed_tokens, 0, False
+                resumed_load = True
+            else:
+                hits, num_local = self.kv.get_computed_blocks(req)
+                num_external, load_async = self._external_tokens(req, num_local)
+                resumed_load = False
+            num_hit_tokens = num_local + num_external
+            num_new = 0 if load_async else self._num_new_tokens(req, num_hit_tokens, budget)
             full = req.num_tokens - num_hit_tokens
-            if num_new < full and not cfg.enable_chunked_prefill:
+            if num_new < full and not cfg.enable_chunked_prefill and not load_async:
                 break
-            admit = req.status == RequestStatus.WAITING and bool(self.running)
+            admit = req.status == RequestStatus.WAITING and bool(self.running) and not resumed_load
             new_blocks = self.kv.allocate_slots(
                 req,
-                num_new,
-                num_hit_tokens,
+                num_external if load_async else num_new,
+                num_local if load_async else (0 if resumed_load else num_hit_tokens),
                 hits,
-                num_lookahead_tokens=cfg.num_lookahead_tokens,
+                num_lookahead_tokens=0 if load_async else cfg.num_lookahead_tokens,
                 admit=admit,
+                index=not load_async,
             )
             if new_blocks is None:
+                if resumed_load:
+                    req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+                    self.loading.add(req.request_id)
+                    self.finished_recving.add(req.request_id)
                 break
-            self.kv.record_prefix_query(req, num_hit_tokens)
+            if not resumed_load:
+                self.kv.record_prefix_query(req, num_local)
+                if self.connector is not None:
+                    self.external_stats.queries += req.num_tokens - num_local
+                    self.external_stats.hits += num_external
+                    req.num_computed_tokens = num_local
+                    self.connector.update_state_after_alloc(
+                        req, self.kv.get_block_ids(req.request_id), num_external
+                    )
+            if load_async:
+                req.num_computed_tokens = num_hit_tokens
+                if req.num_cached_tokens < 0:
+                    req.num_cached_tokens = num_hit_tokens
+                req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+                self.loading.add(req.request_id)
+                skipped.append(self.waiting.pop())
+                continue
             self.waiting.pop()
             self.running.append(req)
             if lora_id:
@@ -238,6 +311,24 @@ class Scheduler:
         for req in reversed(skipped):
             self.waiting.prepend(req)
 
+    def _external_tokens(self, req: Request, num_local: int) -> tuple[int, bool]:
+        """The connector's ``(tokens, load_async)`` past ``num_local`` hit tokens; none for a
+        request that wants prompt logprobs (every prompt position must run), nor an
+        asynchronous load for a preempted request (its workers keep its state to resume)."""
+        if self.connector is None or req.sampling_params.prompt_logprobs is not None:
+            return 0, False
+        num_external, load_async = self.connector.get_num_new_matched_tokens(req, num_local)
+        limit = req.num_tokens - 1 - num_local
+        if num_external % self.kv.block_size or not 0 <= num_external <= limit:
+            raise ValueError(
+                f"KV connector {type(self.connector).__name__} offered {num_external} tokens "
+                f"for request {req.request_id}: expected whole blocks of "
+                f"{self.kv.block_size} tokens, at most {limit}"
+            )
+        if load_async and req.status == RequestStatus.PREEMPTED:
+            return 0, False
+        return num_external, load_async and num_external > 0
+
     def lora_adapters(self) -> tuple[set[str], set[str]]:
         """The names of the adapters of the running requests and of the waiting ones."""
         def names(requests: Iterable[Request]) -> set[str]:
@@ -267,10 +358,12 @@ class Scheduler:
         logprobs: dict[str, LogprobsLists] | None = None,
         prompt_logprobs: dict[str, LogprobsLists] | None = None,
         spec_token_ids: dict[str, list[int]] | None = None,
+        kv_connector_output: KVConnectorOutput | None = None,
     ) -> list[EngineCoreOutput]:
         """Append each request's sampled tokens (accepted drafts, then the target's token),
         roll rejected drafts back, check stop conditions (a stop inside an accepted run ends
-        the request there), free what finished, and keep each request's new drafts."""
+        the request there), free what finished, and keep each request's new drafts. Then take
+        in what the KV connector's workers finished sending and receiving."""
         outputs = []
         for req_id in scheduler_output.num_scheduled_tokens:
             req = self.requests.get(req_id)
@@ -302,14 +395,29 @@ class Scheduler:
                 )
             )
             if req.is_finished():
-                self._finish(req)
+                outputs[-1].kv_transfer_params = self._finish(req)
             elif spec_token_ids and req_id in spec_token_ids:
                 limit = min(
                     req.max_tokens - req.num_output_tokens,
                     self.config.max_model_len - req.num_tokens,
                 ) - 1
                 req.spec_token_ids = spec_token_ids[req_id][: max(limit, 0)]
+        if kv_connector_output is not None:
+            self._update_from_kv_connector(kv_connector_output)
         return outputs
+
+    def _update_from_kv_connector(self, output: KVConnectorOutput) -> None:
+        """Loads that finished make their requests schedulable; sends that finished (and loads
+        of requests finished meanwhile) release the held blocks."""
+        for req_id in output.finished_recving:
+            if req_id in self.loading:
+                self.finished_recving.add(req_id)
+        for req_id in output.finished_sending | output.finished_recving:
+            req = self.held.pop(req_id, None)
+            if req is not None:
+                self.kv.free(req)
+        assert self.connector is not None
+        self.connector.update_connector_output(output)
 
     def _check_stop(self, req: Request, token: int) -> bool:
         params = req.sampling_params
@@ -356,9 +464,27 @@ class Scheduler:
                 req.stop_reason = stop_reason
             self._finish(req)
 
-    def _finish(self, req: Request) -> None:
+    def _finish(self, req: Request) -> dict[str, Any] | None:
+        """Drop a finished request and release its blocks (unless the connector still needs
+        them); returns the connector's ``kv_transfer_params`` for it."""
         if req in self.running:
             self.running.remove(req)
-        self.kv.free(req)
         del self.requests[req.request_id]
         self.finished_req_ids.add(req.request_id)
+        params = None
+        delay_free = False
+        if self.connector is not None:
+            delay_free, params = self.connector.request_finished(
+                req, self.kv.get_block_ids(req.request_id)
+            )
+        if req.request_id in self.loading:
+            self.loading.discard(req.request_id)
+            if req.request_id in self.finished_recving:
+                self.finished_recving.discard(req.request_id)
+            else:
+                delay_free = True
+        if delay_free:
+            self.held[req.request_id] = req
+        else:
+            self.kv.free(req)
+        return params

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -51,3 +52,5 @@ class SchedulerOutput:
     """Requests that sample this step under a structured-output constraint."""
     grammar_bitmask: np.ndarray | None = None
     """int32 ``[len(structured_output_request_ids), ceil(V / 32)]``: the tokens each may sample."""
+    kv_connector_metadata: Any = None
+    """The KV connector's ``KVConnectorMetadata`` of this step (None without a connector)."""

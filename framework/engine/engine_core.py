@@ -16,6 +16,8 @@ from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.scheduler import EngineCoreOutput, Scheduler, SchedulerConfig
 from tokenmill.core.scheduler_output import SchedulerOutput
 from tokenmill.engine.input_processor import EngineCoreRequest
+from tokenmill.interfaces.kv_connector import KVConnectorRole
+from tokenmill.kv_connector_factory import create_kv_connector
 from tokenmill.structured_output import StructuredOutputManager
 from tokenmill.worker.executor import Executor
 
@@ -23,6 +25,9 @@ logger = logging.getLogger(__name__)
 
 GRAMMAR_WAIT_S = 0.05
 """How long a step with nothing else to run waits for a grammar to compile."""
+
+KV_TRANSFER_POLL_S = 0.005
+"""How long a step that ran no token waits before the next asks the KV connector again."""
 
 
 def format_bytes(n: int) -> str:
@@ -84,6 +89,9 @@ class EngineCore:
                 max_loras=config.max_loras if config.enable_lora else 0,
             ),
             self.kv_cache_manager,
+            create_kv_connector(
+                config, KVConnectorRole.SCHEDULER, 0, self.executor.get_kv_cache_specs()
+            ),
         )
         self.structured_output_manager = StructuredOutputManager(config)
         self.waiting_for_fsm: dict[str, Request] = {}
@@ -174,7 +182,12 @@ class EngineCore:
         self.scheduler.finish_requests(req_ids, status, stop_reason)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self.waiting_for_fsm)
+        """Requests to run, or blocks of finished ones the KV connector still sends."""
+        return (
+            self.scheduler.has_unfinished_requests()
+            or bool(self.waiting_for_fsm)
+            or self.scheduler.has_held_blocks()
+        )
 
     def step(self) -> EngineCoreOutputs:
         """Schedule, execute, update. If anything after scheduling raises, the step's
@@ -183,7 +196,7 @@ class EngineCore:
         holds are untouched. If scheduling itself raised, ``failed_req_ids`` is None."""
         self.failed_req_ids = None
         failed = self._admit_compiled()
-        if not self.scheduler.has_unfinished_requests():
+        if not (self.scheduler.has_unfinished_requests() or self.scheduler.has_held_blocks()):
             return EngineCoreOutputs(failed, timestamp=time.monotonic())
         start = time.monotonic()
         scheduler_output = self.scheduler.schedule()
@@ -196,6 +209,7 @@ class EngineCore:
                 model_output.logprobs,
                 model_output.prompt_logprobs,
                 model_output.spec_token_ids,
+                model_output.kv_connector_output,
             )
             self._advance_grammars(outputs)
             self._validate_drafts(model_output.spec_token_ids)
@@ -204,6 +218,8 @@ class EngineCore:
                 scheduler_output
             )
             raise
+        if scheduler_output.total_num_scheduled_tokens == 0 and self.scheduler.connector is not None:
+            time.sleep(KV_TRANSFER_POLL_S)
         return EngineCoreOutputs(
             failed + outputs,
             list(scheduler_output.num_scheduled_tokens),
@@ -283,16 +299,30 @@ class EngineCore:
         self.executor.shutdown()
 
     def get_stats(self) -> dict[str, int]:
-        """Scheduler and KV-cache counters, and speculative decoding's when it is on."""
+        """Scheduler and KV-cache counters, and speculative decoding's, LoRA's and the KV
+        connector's when they are on (the connector's hits are counted apart from the local
+        prefix cache's)."""
         kv = self.kv_cache_manager
         spec = self.scheduler.spec_stats.as_dict() if self.config.speculative else {}
         lora = {}
+        external = {}
+        if self.scheduler.connector is not None:
+            stats = self.scheduler.external_stats
+            external = {
+                "external_prefix_cache_query_tokens": stats.queries,
+                "external_prefix_cache_hit_tokens": stats.hits,
+                "num_requests_waiting_for_remote_kvs": len(self.scheduler.loading),
+                "kv_blocks_held_for_transfer": sum(
+                    len(kv.get_block_ids(r)) for r in self.scheduler.held
+                ),
+            }
         if self.config.enable_lora:
             running, waiting = self.scheduler.lora_adapters()
             lora = {"num_running_loras": len(running), "num_waiting_loras": len(waiting)}
         return {
             **spec,
             **lora,
+            **external,
             "num_running_requests": len(self.scheduler.running),
             "num_waiting_requests": len(self.scheduler.waiting) + len(self.waiting_for_fsm),
             "num_requests_received": self.num_requests_received,

@@ -43,6 +43,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from tokenmill.interfaces.kv_cache_spec import KVCacheSpec
+
 if TYPE_CHECKING:
     from tokenmill.config import EngineConfig
 
@@ -93,20 +95,33 @@ class KVConnectorOutput:
 
 
 class KVConnectorBase(ABC):
-    """A KV connector (vLLM's ``KVConnectorBase_V1``). The engine builds it as
-    ``cls(config, role, rank)``: ``config`` is the engine's (``config.kv_transfer`` is the
-    :class:`~tokenmill.kv_transfer_config.KVTransferConfig`), ``rank`` the worker's
-    tensor-parallel rank (0 on the scheduler side). A setting the connector cannot honour
-    raises ``ValueError`` naming it."""
+    """A KV connector (vLLM's ``KVConnectorBase_V1``). The engine builds it once the KV cache
+    is sized, as ``cls(config, role, rank, kv_cache_specs)``: ``config`` is the engine's
+    (``config.kv_transfer`` is the :class:`~tokenmill.kv_transfer_config.KVTransferConfig`),
+    ``rank`` the worker's tensor-parallel rank (0 on the scheduler side), ``kv_cache_specs``
+    the model's attention layers' specs by name (both sides get them). A setting the
+    connector cannot honour raises ``ValueError`` naming it."""
 
-    def __init__(self, config: EngineConfig, role: KVConnectorRole, rank: int = 0) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        role: KVConnectorRole,
+        rank: int = 0,
+        kv_cache_specs: dict[str, KVCacheSpec] | None = None,
+    ) -> None:
         self.config = config
         self.role = role
         self.rank = rank
+        self.kv_cache_specs = kv_cache_specs or {}
         assert config.kv_transfer is not None
         self.kv_transfer_config = config.kv_transfer
         self._connector_metadata: KVConnectorMetadata | None = None
         self.kv_caches: dict[str, torch.Tensor] = {}
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block over all attention layers (from ``kv_cache_specs``)."""
+        return sum(spec.page_size_bytes for spec in self.kv_cache_specs.values())
 
     # ----- worker side -----
 
@@ -173,7 +188,8 @@ class KVConnectorBase(ABC):
     ) -> None:
         """The scheduler admitted ``request`` with blocks ``block_ids`` (all of its blocks, in
         order); ``request.num_computed_tokens`` is its local hit count and the
-        ``num_external_tokens`` the connector offered follow it (0: none to load)."""
+        ``num_external_tokens`` the connector offered follow it (0: none to load). A request
+        preempted and admitted again comes again, with its new blocks."""
 
     @abstractmethod
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:

@@ -26,6 +26,8 @@ from tokenmill.core.scheduler_output import SchedulerOutput
 from tokenmill.forward_context import set_forward_context
 from tokenmill.interfaces.attention import CommonAttentionMetadata
 from tokenmill.interfaces.kv_cache_spec import KVCacheSpec
+from tokenmill.interfaces.kv_connector import KVConnectorBase, KVConnectorOutput, KVConnectorRole
+from tokenmill.kv_connector_factory import create_kv_connector
 from tokenmill.interfaces.proposer import FlatInputs, ProposalBatch, Proposer, TargetStep
 from tokenmill.layers.attention import Attention
 from tokenmill.layers.build_context import BuildContext, model_build_context
@@ -65,6 +67,8 @@ class ModelRunnerOutput:
     logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
     prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    kv_connector_output: KVConnectorOutput | None = None
+    """What the KV connector finished sending and receiving (None without a connector)."""
 
 
 @dataclass
@@ -77,9 +81,17 @@ class _PreemptedState:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, device: torch.device) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        device: torch.device,
+        rank: int = 0,
+    ) -> None:
         self.config = config
         self.device = device
+        self.rank = rank
+        self.kv_connector: KVConnectorBase | None = None
+        """The KV connector's worker side, if the engine runs one (built with the cache)."""
         self.block_size = config.block_size
         self.attn_selector = AttentionSelector(
             config.platform_cls,
@@ -97,6 +109,9 @@ class ModelRunner:
         self.graphs: DecodeGraphRunner | None = None
         self.lora_manager: LoRAManager | None = None
         self.proposer: Proposer | None = None
+        self._step_metadata: CommonAttentionMetadata | None = None
+        """The latest step's backend-independent attention metadata (what a KV connector's
+        ``save_kv_layer`` gets)."""
         self.draft_probs: dict[str, torch.Tensor] = {}
         """``[k, V]`` draft distributions of the drafts proposed after the last step, per
         request, from a proposer that gives them; the next step's sampling consumes them."""
@@ -163,6 +178,19 @@ class ModelRunner:
         self.graphs = DecodeGraphRunner.create(
             self.config, self.model, self.metadata_builder, max_blocks, self.device
         )
+        self.kv_connector = create_kv_connector(
+            self.config,
+            KVConnectorRole.WORKER,
+            self.rank,
+            {name: specs[name] for name in (m.layer_name for m in model_attention_layers(self.model))},
+        )
+        if self.kv_connector is not None:
+            self.kv_connector.register_kv_caches(
+                {
+                    layer.layer_name: _blocks_first(layer, num_blocks, self.block_size)
+                    for layer in model_attention_layers(self.model)
+                }
+            )
 
     def _update_states(self, out: SchedulerOutput) -> None:
         batch = self.batch
@@ -257,7 +285,32 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """One step. With a KV connector, the step's loads land in the cache before the
+        forward pass and its saves start after it (per step: every layer's
+        ``wait_for_layer_load`` before the forward, every layer's ``save_kv_layer`` after it,
+        in layer order, so attention backends need not know about connectors), and every
+        step, also one that runs no token, reports what finished sending and receiving."""
         self._update_states(out)
+        connector = self.kv_connector
+        if connector is None:
+            return self._execute(out)
+        connector.bind_connector_metadata(out.kv_connector_metadata)
+        try:
+            connector.start_load_kv()
+            for name in connector.kv_caches:
+                connector.wait_for_layer_load(name)
+            result = self._execute(out)
+            if out.total_num_scheduled_tokens:
+                for name, kv_layer in connector.kv_caches.items():
+                    connector.save_kv_layer(name, kv_layer, self._step_metadata)
+                connector.wait_for_save()
+            sending, recving = connector.get_finished(out.finished_req_ids)
+        finally:
+            connector.clear_connector_metadata()
+        result.kv_connector_output = KVConnectorOutput(sending or set(), recving or set())
+        return result
+
+    def _execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         if out.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput({})
         batch = self.batch
@@ -267,6 +320,7 @@ class ModelRunner:
         num_sched = np.array([out.num_scheduled_tokens[r] for r in req_ids], dtype=np.int64)
         num_computed = batch.num_computed_tokens[rows]
         input_ids_t, positions_t, common, cu = self._flatten(rows, num_computed, num_sched)
+        self._step_metadata = common
         seq_lens = num_computed + num_sched
         batch.num_computed_tokens[rows] = seq_lens
         if self.lora_manager is not None:
@@ -598,6 +652,16 @@ class _SamplingPositions:
         if not self.has_drafts:
             return ends - 1
         return np.repeat(ends - self.counts, self.counts) + self.offsets
+
+
+def _blocks_first(layer: Attention | MLAAttention, num_blocks: int, block_size: int) -> torch.Tensor:
+    """A view of ``layer``'s cache with the block as its first dimension: the dimension of the
+    backend's cache shape that grows with the number of blocks."""
+    def shape(n: int) -> tuple[int, ...]:
+        return layer.backend.get_kv_cache_shape(n, block_size, layer.num_kv_heads, layer.head_size)
+
+    [block_dim] = [i for i, (a, b) in enumerate(zip(shape(num_blocks), shape(num_blocks + 1))) if a != b]
+    return layer.kv_cache.movedim(block_dim, 0)
 
 
 def _bad_word_ends(bad_words: list[list[int]], output: np.ndarray) -> list[int]:

@@ -71,7 +71,7 @@ class Worker:
             init_distributed_environment(
                 platform.dist_backend, distributed_init_method, rank, config.tensor_parallel_size
             )
-        self.model_runner = ModelRunner(config, self.device)
+        self.model_runner = ModelRunner(config, self.device, rank)
 
     def load_model(self) -> None:
         self.model_runner.load_model()
