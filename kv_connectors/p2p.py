@@ -19,7 +19,8 @@ forged) makes the decode instance compute the prompt itself, counted in
 
 ``kv_connector_extra_config``: ``host`` (the address decode instances reach the producer at;
 default 127.0.0.1) and ``port`` (required for a producer), ``send_timeout_s`` (default 120),
-``pull_timeout_s`` (default 10).
+``pull_timeout_s`` (default 10), ``on_load_failure`` (``recompute``, the default, or ``fail``:
+the request finishes with ``finish_reason="error"`` instead).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import torch
@@ -39,7 +40,12 @@ from tokenmill.interfaces import (
     KVConnectorMetadata,
     KVConnectorRequest,
     KVConnectorRole,
+    KVLoadError,
 )
+
+if TYPE_CHECKING:
+    from tokenmill.config import EngineConfig
+    from tokenmill.interfaces.kv_cache_spec import KVCacheSpec
 
 logger = logging.getLogger(__name__)
 
@@ -94,10 +100,16 @@ def prompt_hashes(request: KVConnectorRequest, block_size: int) -> list[bytes]:
 class P2pConnector(KVConnectorBase):
     """See the module's docstring."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(
+        self,
+        config: EngineConfig,
+        role: KVConnectorRole,
+        rank: int = 0,
+        kv_cache_specs: dict[str, KVCacheSpec] | None = None,
+    ) -> None:
+        super().__init__(config, role, rank, kv_cache_specs)
         cfg = self.kv_transfer_config
-        known = {"host", "port", "send_timeout_s", "pull_timeout_s"}
+        known = {"host", "port", "send_timeout_s", "pull_timeout_s", "on_load_failure"}
         unknown = sorted(set(cfg.kv_connector_extra_config) - known)
         if unknown:
             raise ValueError(
@@ -110,6 +122,12 @@ class P2pConnector(KVConnectorBase):
             raise ValueError(
                 "kv_connector_extra_config['port'] must be the port a p2p producer serves its "
                 f"blocks on, got {self.port!r}"
+            )
+        self.on_load_failure = cfg.extra("on_load_failure", "recompute")
+        if self.on_load_failure not in ("recompute", "fail"):
+            raise ValueError(
+                "kv_connector_extra_config['on_load_failure'] must be 'recompute' or 'fail', "
+                f"got {self.on_load_failure!r}"
             )
         self.send_timeout_s = float(cfg.extra("send_timeout_s", 120.0))
         self.pull_timeout_s = float(cfg.extra("pull_timeout_s", 10.0))
@@ -229,6 +247,10 @@ class P2pConnector(KVConnectorBase):
         return layers
 
     def _failed(self, request: KVConnectorRequest, reason: str) -> None:
+        """Count a failed pull and let the prompt be computed here; or, with
+        ``on_load_failure="fail"``, fail the request."""
+        if self.on_load_failure == "fail":
+            raise KVLoadError(f"pulling the prompt's KV failed: {reason}")
         self.num_recomputed += 1
         logger.warning(
             "request %s: pulling its KV failed (%s); computing its prompt here",

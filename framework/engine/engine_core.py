@@ -315,6 +315,7 @@ class EngineCore:
                 "kv_blocks_held_for_transfer": sum(
                     len(kv.get_block_ids(r)) for r in self.scheduler.held
                 ),
+                **self.scheduler.connector.get_stats(),
             }
         if self.config.enable_lora:
             running, waiting = self.scheduler.lora_adapters()
