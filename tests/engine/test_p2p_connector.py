@@ -170,3 +170,54 @@ def test_settings_are_checked():
         connector(KVConnectorRole.SCHEDULER, "kv_consumer", prot=1)
     with pytest.raises(ValueError, match=r"on_load_failure"):
         connector(KVConnectorRole.SCHEDULER, "kv_consumer", on_load_failure="retry")
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> str:
+    from conftest import make_tiny_checkpoint
+
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), "llama")
+
+
+def test_engine_with_an_unreachable_producer_recomputes_or_fails_only_that_request(tiny_dir):
+    from tokenmill import LLM
+
+    dead = {
+        "do_remote_prefill": True,
+        "remote_host": "127.0.0.1",
+        "remote_port": free_port(),
+        "remote_request_id": "gone",
+    }
+    prompts = [{"prompt_token_ids": PROMPT}, {"prompt_token_ids": PROMPT[:40]}]
+    plain = SamplingParams(temperature=0, max_tokens=6)
+    pulling = SamplingParams(temperature=0, max_tokens=6, extra_args={"kv_transfer_params": dead})
+    for policy in ("recompute", "fail"):
+        config = {
+            "kv_connector": "p2p",
+            "kv_role": "kv_consumer",
+            "kv_connector_extra_config": {"pull_timeout_s": 0.5, "on_load_failure": policy},
+        }
+        llm = LLM(
+            tiny_dir, kv_transfer_config=config, block_size=BLOCK, kv_cache_memory_bytes=2**24
+        )
+        want = [o.outputs[0] for o in llm.generate(prompts, plain)]
+        got = [o.outputs[0] for o in llm.generate(prompts, [pulling, plain])]
+        assert got[1].token_ids == want[1].token_ids
+        if policy == "recompute":
+            assert got[0].token_ids == want[0].token_ids
+            assert llm.get_stats()["kv_transfer_recomputed"] == 1
+        else:
+            assert got[0].finish_reason == "error" and got[0].token_ids == []
+            assert llm.get_stats()["kv_transfer_recomputed"] == 0
+        stats = llm.get_stats()
+        assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+        assert stats["kv_blocks_held_for_transfer"] == 0
+
+
+def test_engine_without_a_connector_refuses_kv_transfer_params(tiny_dir):
+    from tokenmill import LLM
+
+    llm = LLM(tiny_dir, kv_cache_memory_bytes=2**24)
+    params = SamplingParams(extra_args={"kv_transfer_params": {"do_remote_decode": True}})
+    with pytest.raises(ValueError, match="kv_transfer_params need a KV connector"):
+        llm.generate({"prompt_token_ids": PROMPT}, params)

@@ -19,7 +19,7 @@ from server.test_server import MODEL, RemoteServer
 pytest.importorskip("openai")
 
 BLOCK = 16
-SEND_TIMEOUT_S = 8
+SEND_TIMEOUT_S = 25
 WORDS = (
     "river stone lantern quiet orchard copper violet harbor meadow ember falcon glacier "
     "thistle cobalt saffron willow canyon marble quill tundra"
