@@ -131,6 +131,23 @@ def test_router_answers_as_one_instance_and_decode_computes_only_the_tail(instan
     decode.wait_idle()
 
 
+def test_32_long_prompts_through_the_router_equal_one_instance(instances):
+    """The issue's must-show: 32 prompts of 100-1,000 tokens, greedy, token for token."""
+    prefill, decode, router = instances
+    prompts = [prompt_of(85 + 25 * i, 100 + i) for i in range(32)]
+    want = [complete(prefill.url, p) for p in prompts]
+    lengths = [w["usage"]["prompt_tokens"] for w in want]
+    assert min(lengths) >= 100 and max(lengths) <= 1000
+    prefill.wait_idle()
+    for ref in want:
+        got = complete(router.url, ref["choices"][0]["prompt_token_ids"])
+        same_completion(got, ref)
+        n = got["usage"]["prompt_tokens"]
+        assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == remote_block_tokens(n)
+    prefill.wait_idle()
+    decode.wait_idle()
+
+
 def test_prefix_affinity_follows_the_decode_instance_kv_events(instances):
     prefill, decode, router = instances
     held = complete(
