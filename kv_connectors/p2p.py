@@ -19,7 +19,7 @@ forged) makes the decode instance compute the prompt itself, counted in
 
 ``kv_connector_extra_config``: ``host`` (the address decode instances reach the producer at;
 default 127.0.0.1) and ``port`` (required for a producer), ``send_timeout_s`` (default 120),
-``pull_timeout_s`` (default 10), ``on_load_failure`` (``recompute``, the default, or ``fail``:
+``pull_timeout_s`` (default 5), ``on_load_failure`` (``recompute``, the default, or ``fail``:
 the request finishes with ``finish_reason="error"`` instead).
 """
 
@@ -130,7 +130,7 @@ class P2pConnector(KVConnectorBase):
                 f"got {self.on_load_failure!r}"
             )
         self.send_timeout_s = float(cfg.extra("send_timeout_s", 120.0))
-        self.pull_timeout_s = float(cfg.extra("pull_timeout_s", 10.0))
+        self.pull_timeout_s = float(cfg.extra("pull_timeout_s", 5.0))
         self.block_size = self.config.block_size
         self.engine_id = f"{self.host}:{self.port}"
         # scheduler side
