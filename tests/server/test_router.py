@@ -33,11 +33,12 @@ class RouterProcess:
         cmd = [sys.executable, "-m", "tokenmill", "router", "--port", str(self.port)]
         cmd += ["--prefill", *prefill, "--decode", *decode, "--uvicorn-log-level", "warning"]
         self.proc = subprocess.Popen([*cmd, *args], stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 240
         while True:
             if self.proc.poll() is not None or time.monotonic() > deadline:
+                output = self.output()
                 self.stop()
-                raise RuntimeError(f"router did not start:\n{self.output()}")
+                raise RuntimeError(f"router did not start:\n{output}")
             try:
                 httpx.get(self.url + "/health", timeout=2)
                 return
