@@ -188,7 +188,8 @@ class P2pConnector(KVConnectorBase):
         params = request.kv_transfer_params or {}
         if not params.get("do_remote_decode") or not self.kv_transfer_config.is_kv_producer:
             return False, None
-        hashes = prompt_hashes(request, self.block_size)
+        computed = request.num_computed_tokens // self.block_size
+        hashes = prompt_hashes(request, self.block_size)[:computed]
         if not hashes:
             return False, None
         self.new_sends[request.request_id] = SendEntry(

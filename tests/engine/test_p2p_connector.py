@@ -69,6 +69,7 @@ class Producer:
         self.worker.register_kv_caches(caches(0))
 
     def finish(self, req: Request, block_ids: list[int]) -> dict:
+        req.num_computed_tokens = req.num_tokens
         delay_free, params = self.scheduler.request_finished(req, block_ids)
         assert delay_free and params is not None
         self.step()
@@ -121,6 +122,15 @@ def test_consumer_pulls_the_producers_blocks_exactly_and_the_producer_frees_them
     assert consumer.scheduler.get_stats() == {"kv_transfer_recomputed": 0}
 
 
+def test_a_request_finished_before_its_prompt_was_computed_holds_only_computed_blocks():
+    producer = Producer()
+    aborted = request("a", PROMPT, {"do_remote_decode": True})
+    assert producer.scheduler.request_finished(aborted, [7, 2, 9, 4]) == (False, None)
+    aborted.num_computed_tokens = BLOCK + 3
+    _, params = producer.scheduler.request_finished(aborted, [7, 2, 9, 4])
+    assert params["remote_block_ids"] == [7] and len(params["block_hashes"]) == 1
+
+
 def test_forged_params_get_no_block_of_another_prompt_or_salt():
     producer, consumer = Producer(), Consumer()
     params = producer.finish(request("victim", PROMPT, {"do_remote_decode": True}), [7, 2, 9, 4])
@@ -138,9 +148,9 @@ def test_forged_params_get_no_block_of_another_prompt_or_salt():
 
 def test_blocks_no_one_pulls_are_freed_after_the_timeout():
     producer, consumer = Producer(send_timeout_s=0), Consumer(pull_timeout_s=0.5)
-    _, params = producer.scheduler.request_finished(
-        request("a", PROMPT, {"do_remote_decode": True}), [7, 2, 9, 4]
-    )
+    sent = request("a", PROMPT, {"do_remote_decode": True})
+    sent.num_computed_tokens = sent.num_tokens
+    _, params = producer.scheduler.request_finished(sent, [7, 2, 9, 4])
     assert producer.step() == ({"a"}, None)
     assert consumer.load(request("b", PROMPT, params), [1, 5, 3, 0]) == 0
     assert consumer.scheduler.get_stats() == {"kv_transfer_recomputed": 1}
