@@ -8,3 +8,4 @@ from tokenmill.plugins import hookimpl
 def register_commands(register):
     register("bench", "tokenmill.benchmarks:register_subcommand")
     register("serve", "tokenmill.entrypoints.serve:register_subcommand")
+    register("router", "tokenmill.entrypoints.router:register_subcommand")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from tokenmill.logprobs import PromptLogprobs, SampleLogprobs
 
@@ -56,3 +57,6 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     completion_metrics: list[RequestMetrics] | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    """With the finished output: what the KV connector returned for the client (vLLM's
+    ``kv_transfer_params``, e.g. where a decode instance can pull the prompt's KV)."""

@@ -177,6 +177,9 @@ class SamplingParams:
             without a leading space, and a word's last token is banned wherever the output
             ends with the tokens before it.
         structured_outputs: constrain the output to a JSON schema, regex, choice or grammar.
+        extra_args: vLLM's ``extra_args``; the one key the engine takes is
+            ``kv_transfer_params`` (a dict), which reaches the engine's KV connector (see
+            ``kv_transfer_config``). Any other key is refused.
 
     Greedy requests (temperature 0) ignore ``top_p``, ``top_k`` and ``min_p``, which are
     reset to their off values. Every integer must fit in 64 bits (``[-2**63, 2**64)``), as
@@ -205,6 +208,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    extra_args: dict[str, Any] | None = None
     bad_words_token_ids: list[list[int]] | None = field(default=None, init=False)
     """``bad_words`` tokenized, set by ``update_from_tokenizer``."""
 
@@ -253,6 +257,7 @@ class SamplingParams:
             self.allowed_token_ids = _check_token_ids("allowed_token_ids", self.allowed_token_ids)
             if not self.allowed_token_ids:
                 raise ValueError("allowed_token_ids must not be empty")
+        self._check_extra_args()
         if self.bad_words is not None and (
             not isinstance(self.bad_words, list)
             or not all(isinstance(w, str) and w.strip() for w in self.bad_words)
@@ -347,6 +352,26 @@ class SamplingParams:
             if not f.init:
                 setattr(child, f.name, copy.deepcopy(getattr(self, f.name)))
         return child
+
+    def _check_extra_args(self) -> None:
+        if self.extra_args is None:
+            return
+        if not isinstance(self.extra_args, dict):
+            raise ValueError(f"extra_args must be a dict, got {self.extra_args!r}")
+        unknown = sorted(set(self.extra_args) - {"kv_transfer_params"})
+        if unknown:
+            raise ValueError(
+                f"extra_args has key(s) {', '.join(map(repr, unknown))} this engine does not "
+                "take; the one it takes is 'kv_transfer_params'"
+            )
+        params = self.extra_args.get("kv_transfer_params")
+        if params is not None and not isinstance(params, dict):
+            raise ValueError(f"kv_transfer_params must be a dict, got {params!r}")
+
+    @property
+    def kv_transfer_params(self) -> dict[str, Any] | None:
+        """``extra_args["kv_transfer_params"]``, or None."""
+        return (self.extra_args or {}).get("kv_transfer_params")
 
     def clone(self) -> SamplingParams:
         """A deep copy, so per-request changes never touch a params object shared by a batch."""

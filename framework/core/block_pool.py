@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass
+class KVCacheEvent:
+    """Blocks entering (``BlockStored``) or leaving (``BlockRemoved``) the prefix-cache index,
+    by hash: what an instance publishes for a router's prefix affinity (vLLM's KV events)."""
+
+    type: Literal["BlockStored", "BlockRemoved"]
+    block_hashes: list[bytes] = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -63,6 +73,7 @@ class BlockPool:
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeKVCacheBlockQueue(self.blocks)
         self.cached: dict[bytes, KVCacheBlock] = {}
+        self.events: list[KVCacheEvent] = []
 
     def get_num_free_blocks(self) -> int:
         return self.free_queue.num_free_blocks
@@ -87,6 +98,7 @@ class BlockPool:
         if block.block_hash is not None:
             if self.cached.get(block.block_hash) is block:
                 del self.cached[block.block_hash]
+                self._record("BlockRemoved", block.block_hash)
             block.block_hash = None
 
     def touch(self, blocks: list[KVCacheBlock]) -> None:
@@ -103,7 +115,18 @@ class BlockPool:
             if block.block_hash is not None:
                 continue
             block.block_hash = block_hashes[i]
-            self.cached.setdefault(block.block_hash, block)
+            if self.cached.setdefault(block.block_hash, block) is block:
+                self._record("BlockStored", block.block_hash)
+
+    def _record(self, kind: Literal["BlockStored", "BlockRemoved"], block_hash: bytes) -> None:
+        if not self.events or self.events[-1].type != kind:
+            self.events.append(KVCacheEvent(kind))
+        self.events[-1].block_hashes.append(block_hash)
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The index's changes since the last call, oldest first."""
+        events, self.events = self.events, []
+        return events
 
     def free_blocks(self, ordered_blocks: list[KVCacheBlock]) -> None:
         """Drop a reference on each block; blocks reaching zero join the free queue in the given

@@ -38,7 +38,7 @@ from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.request_queue import make_queue
 from tokenmill.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from tokenmill.core.spec_decode_stats import SpecDecodingStats
-from tokenmill.interfaces.kv_connector import KVConnectorBase, KVConnectorOutput
+from tokenmill.interfaces.kv_connector import KVConnectorBase, KVConnectorOutput, KVLoadError
 from tokenmill.logprobs import LogprobsLists
 
 
@@ -108,6 +108,9 @@ class Scheduler:
         self.loaded_in_step: dict[str, int] = {}
         """Requests admitted in the latest step with tokens a connector loads in it -> their
         computed tokens without those (a failed step must not leave the loads indexed)."""
+        self.load_failures: list[EngineCoreOutput] = []
+        """Requests the connector failed (``KVLoadError``) while scheduling, reported with the
+        step's outputs."""
         self.held: dict[str, Request] = {}
         """Finished requests whose blocks stay held until the connector reports them sent
         (or, for one aborted while loading, loaded)."""
@@ -244,7 +247,17 @@ class Scheduler:
                 resumed_load = True
             else:
                 hits, num_local = self.kv.get_computed_blocks(req)
-                num_external, load_async = self._external_tokens(req, num_local)
+                try:
+                    num_external, load_async = self._external_tokens(req, num_local)
+                except KVLoadError as e:
+                    self.waiting.pop()
+                    req.status = RequestStatus.FINISHED_ERROR
+                    req.stop_reason = str(e)
+                    self._finish(req)
+                    self.load_failures.append(
+                        EngineCoreOutput(req.request_id, [], finish_reason="error", stop_reason=str(e))
+                    )
+                    continue
                 resumed_load = False
             num_hit_tokens = num_local + num_external
             num_new = 0 if load_async else self._num_new_tokens(req, num_hit_tokens, budget)
@@ -370,7 +383,7 @@ class Scheduler:
         roll rejected drafts back, check stop conditions (a stop inside an accepted run ends
         the request there), free what finished, and keep each request's new drafts. Then take
         in what the KV connector's workers finished sending and receiving."""
-        outputs = []
+        outputs, self.load_failures = self.load_failures, []
         for req_id in scheduler_output.num_scheduled_tokens:
             req = self.requests.get(req_id)
             if req is None or req.is_finished():

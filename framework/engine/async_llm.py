@@ -20,6 +20,7 @@ from tokenmill.core.request import RequestStatus
 from tokenmill.engine.core_client import EngineDeadError, MPClient
 from tokenmill.engine.dp_client import DPClient
 from tokenmill.engine.engine_core import EngineCoreOutputs
+from tokenmill.engine.kv_events import KVEventLog
 from tokenmill.engine.input_processor import InputProcessor, PromptType
 from tokenmill.engine.output_processor import OutputProcessor, RequestOutputKind
 from tokenmill.lora.request import LoRARequest
@@ -181,6 +182,7 @@ class AsyncLLM:
             config, self.tokenizer, self.engine_core.max_model_len, self.engine_core.max_prompt_tokens
         )
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.kv_event_log = KVEventLog()
 
     @classmethod
     def from_engine_args(
@@ -368,6 +370,7 @@ class AsyncLLM:
             self._fail_all(error, set(core_outputs.failed_req_ids))
             return
         out.mark_scheduled(core_outputs.scheduled_req_ids, core_outputs.timestamp)
+        self.kv_event_log.extend(core_outputs.kv_events)
         processed = out.process(core_outputs.outputs)
         if core_outputs.num_scheduled_tokens or processed.inter_token_latencies:
             for stat_logger in self.stat_loggers:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from tokenmill import envs
 from tokenmill.config import EngineConfig
+from tokenmill.core.block_pool import KVCacheEvent
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.kv_cache_utils import make_block_hasher
 from tokenmill.core.request import Request, RequestStatus
@@ -50,6 +51,8 @@ class EngineCoreOutputs:
     failed_req_ids: list[str] = field(default_factory=list)
     num_scheduled_tokens: int = 0
     """Tokens the step ran (prompt and generated; 0: no step ran)."""
+    kv_events: list[KVCacheEvent] = field(default_factory=list)
+    """The prefix-cache index's changes in the step."""
 
 
 class EngineCore:
@@ -226,6 +229,7 @@ class EngineCore:
             list(scheduler_output.num_scheduled_tokens),
             start,
             num_scheduled_tokens=scheduler_output.total_num_scheduled_tokens,
+            kv_events=self.kv_cache_manager.pool.take_events(),
         )
 
     def _admit_compiled(self) -> list[EngineCoreOutput]:
@@ -315,6 +319,7 @@ class EngineCore:
                 "kv_blocks_held_for_transfer": sum(
                     len(kv.get_block_ids(r)) for r in self.scheduler.held
                 ),
+                **self.scheduler.connector.get_stats(),
             }
         if self.config.enable_lora:
             running, waiting = self.scheduler.lora_adapters()

@@ -140,6 +140,11 @@ class InputProcessor:
             if self.tokenizer is None:
                 raise ValueError("structured_outputs need a tokenizer and this model has none")
             validate_structured_outputs(params.structured_outputs)
+        if params.kv_transfer_params is not None and self.config.kv_transfer is None:
+            raise ValueError(
+                "kv_transfer_params need a KV connector and this engine has none (start it "
+                "with kv_transfer_config / --kv-transfer-config)"
+            )
         text, ids = self.tokenize_prompt(prompt)
         params = params.clone()
         params.update_from_generation_config(self.generation_config, self.eos_token_id)
@@ -158,6 +163,7 @@ class InputProcessor:
                 priority,
                 cache_salt,
                 lora_request,
+                params.kv_transfer_params,
             )
             for i, child_params in enumerate(_child_params(params))
         ]

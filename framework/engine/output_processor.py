@@ -8,6 +8,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
@@ -50,6 +51,7 @@ class RequestState:
     deltas: list[CompletionOutput] = field(default_factory=list)
     new_prompt_logprobs: PromptLogprobs | None = None
     """Prompt logprobs not yet reported in ``DELTA`` outputs."""
+    kv_transfer_params: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         self.num_unfinished = len(self.completions)
@@ -96,6 +98,7 @@ class RequestState:
             self.metrics,
             self.completion_metrics,
             prompt_logprobs,
+            self.kv_transfer_params if finished else None,
         )
 
 
@@ -194,6 +197,8 @@ class OutputProcessor:
                 for metrics in (state.metrics, state.completion_metrics[index]):
                     metrics.last_token_time = now
             state.num_cached_tokens = out.num_cached_tokens
+            if out.kv_transfer_params is not None:
+                state.kv_transfer_params = out.kv_transfer_params
             new_token_ids, new_logprob_lists = out.new_token_ids, out.new_logprobs
             finish_reason, stop_reason = out.finish_reason, out.stop_reason
             detok = state.detokenizers[index]

@@ -16,6 +16,7 @@ from tokenmill.interfaces.kv_connector import (
     KVConnectorOutput,
     KVConnectorRequest,
     KVConnectorRole,
+    KVLoadError,
 )
 from tokenmill.interfaces.kv_cache_spec import FullAttentionSpec, KVCacheSpec, MLAAttentionSpec
 from tokenmill.interfaces.model import CausalLM, SupportsEagle3, SupportsMTP
@@ -43,6 +44,7 @@ __all__ = [
     "KVConnectorOutput",
     "KVConnectorRequest",
     "KVConnectorRole",
+    "KVLoadError",
     "LinearMethod",
     "MLAAttentionSpec",
     "Platform",

@@ -49,6 +49,13 @@ if TYPE_CHECKING:
     from tokenmill.config import EngineConfig
 
 
+class KVLoadError(Exception):
+    """Raised by ``get_num_new_matched_tokens`` when the request must fail rather than compute
+    its prompt locally (a connector's "fail" policy for KV it could not load): the scheduler
+    finishes that request with ``finish_reason="error"`` and the message, and schedules the
+    others as usual."""
+
+
 class KVConnectorRole(enum.Enum):
     """Which side of the connector an instance is."""
 
@@ -201,6 +208,11 @@ class KVConnectorBase(ABC):
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """What the workers reported after a step (for a connector that tracks it)."""
         return None
+
+    def get_stats(self) -> dict[str, int]:
+        """The scheduler side's own counters, merged into the engine's ``get_stats()`` (e.g.
+        ``kv_transfer_recomputed``: loads that failed, their prompts computed locally)."""
+        return {}
 
     def request_finished(
         self, request: KVConnectorRequest, block_ids: list[int]

@@ -509,3 +509,44 @@ def test_still_serving_after_everything(server, client):
     out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0)
     assert out.choices[0].text
     server.wait_idle()
+
+
+def test_kv_events_publish_the_prompt_blocks(server, client):
+    """``GET /kv_events``: the prefix cache's BlockStored events, which a router follows."""
+    start = httpx.get(server.url + "/kv_events", timeout=10).json()
+    assert start["reset"] and start["events"] == []
+    prompt = "one two three four five six seven eight nine ten " * 8
+    usage = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1).usage
+    params = {"after": start["seq"], "log_id": start["log_id"]}
+    after = httpx.get(server.url + "/kv_events", params=params, timeout=10).json()
+    assert not after["reset"] and after["seq"] > start["seq"]
+    stored = [h for e in after["events"] if e["type"] == "BlockStored" for h in e["block_hashes"]]
+    assert len(stored) >= usage.prompt_tokens // 16
+    assert all(len(h) == 64 for h in stored)
+    snapshot = httpx.get(server.url + "/kv_events", timeout=10).json()
+    assert set(stored) <= set(snapshot["blocks"])
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_kv_transfer_params_are_checked_and_need_a_connector(server, path):
+    body = {"model": MODEL, "max_tokens": 1}
+    body.update(
+        {"prompt": PROMPT} if "chat" not in path else {"messages": [{"role": "user", "content": "hi"}]}
+    )
+    for bad, field in (
+        ({"do_remote_decode": "yes"}, "do_remote_decode"),
+        ({"remote_block_ids": [1, "2"]}, "remote_block_ids"),
+        ({"remote_port": 70000}, "remote_port"),
+        ([True], None),
+    ):
+        answer = server.post(path, {**body, "kv_transfer_params": bad})
+        assert answer.status_code == 400, answer.text
+        error = answer.json()["error"]
+        assert "kv_transfer_params" in error["message"] and (field is None or field in error["message"])
+    answer = server.post(path, {**body, "kv_transfer_params": {"do_remote_decode": True}})
+    assert answer.status_code == 400
+    error = answer.json()["error"]
+    assert error["param"] == "kv_transfer_params"
+    assert "need a KV connector and this server has none" in error["message"]
+    plain = server.post(path, body).json()
+    assert plain["kv_transfer_params"] is None

@@ -240,6 +240,13 @@ def build_app(
             "(with prompt)"
         )
 
+    @app.get("/kv_events")
+    async def kv_events(after: int = 0, log_id: str = "") -> dict[str, Any]:
+        """The prefix cache's changes after event ``after`` of log ``log_id`` (BlockStored /
+        BlockRemoved with hex block hashes), or a snapshot of its hashes (``reset``): what a
+        router's prefix affinity follows."""
+        return engine.kv_event_log.since(after, log_id)
+
     @app.get("/metrics")
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")

@@ -54,7 +54,6 @@ VLLM_UNIMPLEMENTED_DEFAULTS: dict[str, Any] = {
     "logits_processors": None,
     "guided_decoding_backend": None,
     "guided_whitespace_pattern": None,
-    "kv_transfer_params": None,
     "vllm_xargs": None,
     "mm_processor_kwargs": None,
     "media_io_kwargs": None,
@@ -183,6 +182,24 @@ class ResponseFormat(OpenAIModel):
     json_schema: JsonSchemaFormat | None = None
 
 
+class KVTransferParams(OpenAIModel):
+    """vLLM's ``kv_transfer_params``: what a request tells the server's KV connector (a
+    prefill instance: ``do_remote_decode``, keep the prompt's KV for a decode instance; a
+    decode instance: ``do_remote_prefill`` with where to pull it from), and what a response
+    returns for the next instance. vLLM's fields are typed; a connector's own keys pass
+    through to it."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    do_remote_decode: bool = False
+    do_remote_prefill: bool = False
+    remote_engine_id: str | None = None
+    remote_block_ids: list[int] | None = None
+    remote_host: str | None = None
+    remote_port: Annotated[int, Field(ge=0, le=65535)] | None = None
+    remote_request_id: str | None = None
+
+
 class SamplingFields(OpenAIModel):
     """Sampling fields shared by both endpoints (vLLM's extensions included), and
     ``cache_salt``: only requests with equal salts share prefix-cache blocks.
@@ -234,6 +251,8 @@ class SamplingFields(OpenAIModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     response_format: ResponseFormat | None = None
+    kv_transfer_params: KVTransferParams | None = None
+    """vLLM's: for the server's KV connector (``--kv-transfer-config``); refused without one."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -419,6 +438,9 @@ class CompletionResponse(BaseModel):
     choices: list[CompletionResponseChoice]
     usage: UsageInfo
     system_fingerprint: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    """vLLM's: what the server's KV connector returned for the request (a prefill
+    instance's: where a decode instance pulls the prompt's KV)."""
 
 
 class CompletionStreamResponse(BaseModel):
@@ -474,6 +496,8 @@ class ChatCompletionResponse(BaseModel):
     """vLLM's extension: the prompt's ``Logprob``s by token id, when ``prompt_logprobs`` asks."""
     prompt_token_ids: list[int] | None = None
     """vLLM's ``return_token_ids``: the prompt's token ids (after the chat template)."""
+    kv_transfer_params: dict[str, Any] | None = None
+    """vLLM's: what the server's KV connector returned for the request."""
 
 
 class _DropNone(BaseModel):

@@ -131,6 +131,7 @@ class OpenAIServingChat(OpenAIServing):
             usage=self.usage(len(ids), num_generated, output.num_cached_tokens),
             prompt_logprobs=output.prompt_logprobs,
             prompt_token_ids=ids if request.return_token_ids else None,
+            kv_transfer_params=output.kv_transfer_params,
         )
 
     def _apply_chat_template(self, request: ChatCompletionRequest) -> list[int]:

@@ -40,6 +40,8 @@ class OpenAIServingCompletion(OpenAIServing):
         prompts = [
             await self.tokenize(p, "prompt", request) for p in _split_prompts(request.prompt)
         ]
+        if request.kv_transfer_params is not None and len(prompts) > 1:
+            raise OpenAIError("kv_transfer_params need a single prompt", param="prompt")
         prompt_positions = output_positions = 0
         for _, ids in prompts:
             self.check_context(len(ids), request.max_tokens)
@@ -89,6 +91,7 @@ class OpenAIServingCompletion(OpenAIServing):
             model=self.response_model(request),
             choices=choices,
             usage=self.usage(num_prompt, num_generated, num_cached),
+            kv_transfer_params=outputs[0].kv_transfer_params,
         )
 
     async def _stream(

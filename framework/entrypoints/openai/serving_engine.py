@@ -53,6 +53,7 @@ PARAM_NAMES = SAMPLING_FIELDS + (
     "messages",
     "cache_salt",
     "structured_outputs",
+    "kv_transfer_params",
 )
 
 
@@ -114,6 +115,8 @@ class OpenAIServing:
             for name in SAMPLING_FIELDS
             if getattr(request, name) is not None
         }
+        if request.kv_transfer_params is not None:
+            kwargs["extra_args"] = {"kv_transfer_params": self.kv_transfer_params(request)}
         try:
             return SamplingParams(
                 max_tokens=max_tokens,
@@ -126,6 +129,20 @@ class OpenAIServing:
             if message.startswith("max_tokens "):
                 message = max_tokens_param + message.removeprefix("max_tokens")
             raise from_exception(ValueError(message), PARAM_NAMES + (max_tokens_param,)) from None
+
+    def kv_transfer_params(self, request: SamplingFields) -> dict[str, Any]:
+        """The request's ``kv_transfer_params`` as its connector gets them; a 400 without a
+        connector or with more than one completion."""
+        if self.engine.config.kv_transfer is None:
+            raise OpenAIError(
+                "kv_transfer_params need a KV connector and this server has none (start it "
+                "with --kv-transfer-config)",
+                param="kv_transfer_params",
+            )
+        if request.n != 1:
+            raise OpenAIError("kv_transfer_params need n=1", param="n")
+        assert request.kv_transfer_params is not None
+        return request.kv_transfer_params.model_dump()
 
     async def tokenize(
         self, prompt: str | list[int], param: str, request: SamplingFields
