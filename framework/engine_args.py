@@ -109,7 +109,13 @@ class EngineArgs:
         "process (or Ray actor) per rank",
         flags=("-tp",),
     )
-    pipeline_parallel_size: int = _arg(1, "pipeline stages (above 1: not implemented yet)")
+    pipeline_parallel_size: int = _arg(
+        1,
+        "pipeline stages: each holds a contiguous run of the decoder layers (the first the "
+        "embedding, the last the norm and LM head) on tensor_parallel_size worker processes, "
+        "and the engine keeps this many batches in flight so the stages work at once",
+        flags=("-pp",),
+    )
     data_parallel_size: int = _arg(
         1,
         "data-parallel engine cores behind one front end (AsyncLLM, 'tokenmill serve'), each "
