@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, get_args
 import torch
 
 from tokenmill.engine_args import (
+    ALL2ALL_BACKEND_NAMES,
     HASH_ALGOS,
     LOGPROBS_MODES,
     DistributedExecutorBackend,
@@ -97,6 +98,11 @@ class EngineConfig(EngineArgs):
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(
                 f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}"
+            )
+        if self.all2all_backend not in ALL2ALL_BACKEND_NAMES:
+            raise ValueError(
+                f"all2all_backend must be one of {', '.join(ALL2ALL_BACKEND_NAMES)}, "
+                f"got {self.all2all_backend!r}"
             )
         if self.calculate_kv_scales and self.kv_cache_dtype == "auto":
             raise ValueError("calculate_kv_scales needs an FP8 KV cache (kv_cache_dtype='fp8')")

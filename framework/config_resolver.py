@@ -35,6 +35,7 @@ def resolve_config(config: EngineConfig) -> EngineConfig:
     _check_quantization(config)
     _check_tensor_parallel(config)
     _check_pipeline_parallel(config)
+    _check_expert_parallel(config)
     if config.speculative is not None:
         _check_speculative(config, config.speculative)
     if config.gpu_memory_utilization is not None and config.platform_cls.device_type == "cpu":
@@ -136,6 +137,23 @@ def _check_pipeline_parallel(config: EngineConfig) -> None:
             f"(its class does not declare supports_pp)"
         )
     check_pp_partition(config.hf_config.num_hidden_layers, pp)
+
+
+def _check_expert_parallel(config: EngineConfig) -> None:
+    """Expert parallelism needs routed experts that split evenly over a stage's
+    tensor-parallel ranks."""
+    if not config.enable_expert_parallel:
+        return
+    experts = getattr(config.hf_config, "n_routed_experts", None)
+    if not experts:
+        raise ValueError(
+            "enable_expert_parallel: the model has no routed experts (n_routed_experts) to shard"
+        )
+    if experts % config.tensor_parallel_size:
+        raise ValueError(
+            f"enable_expert_parallel: the model's {experts} routed experts are not divisible by "
+            f"the expert-parallel size {config.tensor_parallel_size} (tensor_parallel_size)"
+        )
 
 
 def _check_speculative(config: EngineConfig, spec: SpeculativeConfig) -> None:

@@ -5,8 +5,10 @@ stage-to-stage send/recv of activations).
 Without an initialised ``torch.distributed`` (or with a group of one) everything is the
 identity, so single-device runs pay nothing. A worker of a multi-rank executor calls
 :func:`init_distributed_environment` before it builds the model and
-:func:`destroy_distributed_environment` when it stops; a caller that manages its own process
-group may point the layers at it with :func:`set_tensor_model_parallel_group`.
+:func:`destroy_distributed_environment` when it stops. Every collective runs through the
+platform's device communicator (``Platform.get_device_communicator_cls``, a
+``tokenmill.interfaces.device_communicator.DeviceCommunicator``): one for the stage's
+tensor-parallel group, one for the world (the stage-to-stage sends).
 
 Ranks are laid out as vLLM's: ``rank = stage * tensor_parallel_size + tp_rank``; a stage's
 ranks form its tensor-parallel group, and each sends its activations to the rank with the
@@ -16,13 +18,17 @@ same ``tp_rank`` in the next stage.
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from tokenmill import envs
 
-_TP_GROUP: dist.ProcessGroup | None = None
+_TP_COMM: Any = None
+"""The tensor-parallel group's device communicator (None: one rank)."""
+_WORLD_COMM: Any = None
+"""The world group's device communicator (None: one rank)."""
 _PP_RANK = 0
 _PP_SIZE = 1
 _TP_SIZE = 1
@@ -38,12 +44,16 @@ def init_distributed_environment(
     init_method: str,
     rank: int,
     world_size: int,
-    pipeline_parallel_size: int = 1,
+    pipeline_parallel_size: int,
+    communicator_cls: Any,
+    device: torch.device,
+    all2all_backend: str = "naive",
 ) -> None:
     """Join the ``world_size`` ranks at ``init_method`` (``tcp://host:port``) over ``backend``
     (the platform's ``dist_backend``), split into ``pipeline_parallel_size`` stages whose
-    ranks form the tensor-parallel groups (one stage: the world group is the TP group)."""
-    global _PP_RANK, _PP_SIZE, _TP_SIZE
+    ranks form the tensor-parallel groups (one stage: the world group is the TP group), each
+    group with a ``communicator_cls(group, device, all2all_backend)``."""
+    global _PP_RANK, _PP_SIZE, _TP_SIZE, _TP_COMM, _WORLD_COMM
     dist.init_process_group(
         backend, init_method=init_method, rank=rank, world_size=world_size, timeout=INIT_TIMEOUT
     )
@@ -57,54 +67,46 @@ def init_distributed_environment(
             stage_group = dist.new_group(ranks, timeout=INIT_TIMEOUT)
             if stage == _PP_RANK:
                 group = stage_group
-    set_tensor_model_parallel_group(group)
+    _WORLD_COMM = communicator_cls(None, device, all2all_backend)
+    _TP_COMM = communicator_cls(group, device, all2all_backend)
 
 
 def destroy_distributed_environment() -> None:
     """Leave the process group after a barrier, so no rank closes its connections while
     another still uses them."""
-    global _PP_RANK, _PP_SIZE, _TP_SIZE
+    global _PP_RANK, _PP_SIZE, _TP_SIZE, _TP_COMM, _WORLD_COMM
     if dist.is_available() and dist.is_initialized():
         _wait_for_send()
         dist.barrier()
         dist.destroy_process_group()
-    _PP_RANK, _PP_SIZE, _TP_SIZE = 0, 1, 1
+    _PP_RANK, _PP_SIZE, _TP_SIZE, _TP_COMM, _WORLD_COMM = 0, 1, 1, None, None
 
 
-def set_tensor_model_parallel_group(group: dist.ProcessGroup | None) -> None:
-    """Use ``group`` for tensor parallelism (None: the default world group)."""
-    global _TP_GROUP
-    _TP_GROUP = group
+def get_tp_communicator() -> Any:
+    """The tensor-parallel group's device communicator; None with one rank."""
+    return _TP_COMM if _TP_COMM is not None and _TP_COMM.world_size > 1 else None
 
 
 def get_tensor_model_parallel_world_size() -> int:
-    if not dist.is_available() or not dist.is_initialized():
-        return 1
-    return dist.get_world_size(_TP_GROUP)
+    return 1 if _TP_COMM is None else _TP_COMM.world_size
 
 
 def get_tensor_model_parallel_rank() -> int:
-    if not dist.is_available() or not dist.is_initialized():
-        return 0
-    return dist.get_rank(_TP_GROUP)
+    return 0 if _TP_COMM is None else _TP_COMM.rank
 
 
 def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum ``x`` over the tensor-parallel ranks (in place when distributed)."""
     if get_tensor_model_parallel_world_size() == 1:
         return x
-    dist.all_reduce(x, group=_TP_GROUP)
-    return x
+    return _TP_COMM.all_reduce(x)
 
 
 def tensor_model_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Concatenate every rank's ``x`` along ``dim``, in rank order."""
-    world_size = get_tensor_model_parallel_world_size()
-    if world_size == 1:
+    if get_tensor_model_parallel_world_size() == 1:
         return x
-    parts = [torch.empty_like(x) for _ in range(world_size)]
-    dist.all_gather(parts, x.contiguous(), group=_TP_GROUP)
-    return torch.cat(parts, dim=dim)
+    return _TP_COMM.all_gather(x, dim)
 
 
 def get_pipeline_model_parallel_world_size() -> int:
@@ -176,7 +178,7 @@ def pp_send(tensor: torch.Tensor) -> None:
     received (the previous step's send is waited for first, so at most one is in flight)."""
     _wait_for_send()
     tensor = tensor.contiguous()
-    _PENDING_SEND.append((dist.isend(tensor, dist.get_rank() + _TP_SIZE), tensor))
+    _PENDING_SEND.append((_WORLD_COMM.send(tensor, _WORLD_COMM.rank + _TP_SIZE), tensor))
 
 
 def _wait_for_send() -> None:
@@ -185,8 +187,6 @@ def _wait_for_send() -> None:
     _PENDING_SEND.clear()
 
 
-def pp_recv(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def pp_recv(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """Receive a tensor of ``shape`` from this rank's peer in the previous stage."""
-    tensor = torch.empty(shape, dtype=dtype, device=device)
-    dist.recv(tensor, dist.get_rank() - _TP_SIZE)
-    return tensor
+    return _WORLD_COMM.recv(shape, dtype, _WORLD_COMM.rank - _TP_SIZE)

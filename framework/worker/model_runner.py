@@ -130,6 +130,7 @@ class ModelRunner:
             quantization_method(self.config),
             self.config.platform_cls.get_ops(),
             self.config.calculate_kv_scales,
+            self.config.enable_expert_parallel,
         )
         self.model = load_model(self.config.weights_path, self.config.hf_config, ctx, self.device)
         if self.config.enable_lora:
@@ -308,7 +309,7 @@ class ModelRunner:
             kwargs = {}
             if not is_first_pp_rank():
                 shape = (2, len(input_ids_t), self.config.hf_config.hidden_size)
-                packed = pp_recv(shape, self.config.torch_dtype, self.device)
+                packed = pp_recv(shape, self.config.torch_dtype)
                 self._busy_since = time.monotonic()
                 kwargs["intermediate_tensors"] = IntermediateTensors.unpack(packed)
             with set_forward_context(attn_metadata):

@@ -75,6 +75,9 @@ class Worker:
                 rank,
                 config.world_size,
                 config.pipeline_parallel_size,
+                platform.get_device_communicator_cls(),
+                self.device,
+                config.all2all_backend,
             )
         self.model_runner = ModelRunner(config, self.device)
 

@@ -1,8 +1,9 @@
-"""Pipeline parallelism on the CPU: the layers split into stages (worker processes exchanging
-the residual stream over gloo), the engine core's batch queue keeping a step in flight per
-stage, tokens equal to one process's with prefix caching, chunked prefill and preemption; a
-killed stage fails the requests fast, naming its rank; the settings it cannot run are refused
-by name."""
+"""Pipeline and expert parallelism on the CPU: the layers split into stages (worker processes
+exchanging the residual stream over gloo), the engine core's batch queue keeping a step in
+flight per stage, tokens equal to one process's with prefix caching, chunked prefill and
+preemption; a killed stage fails the requests fast, naming its rank; MoE experts sharded over
+ranks with either all-to-all backend give one process's tokens; the settings either cannot run
+are refused by name."""
 
 from __future__ import annotations
 
@@ -183,5 +184,36 @@ def test_default_model_pipeline_matches_one_process(default_model_dir, parallel)
         assert generate(llm, DEFAULT_MODEL_PROMPTS, params) == expected
         stats = llm.get_stats()
         assert stats["kv_blocks_free"] == stats["kv_blocks_total"] == 128
+    finally:
+        shutdown(llm)
+
+
+def test_expert_parallel_settings_are_refused(tmp_path):
+    path = save_deepseek(tmp_path / "six", "v3", n_routed_experts=6, n_group=2, topk_group=1)[0]
+    with pytest.raises(ValueError, match=r"enable_expert_parallel: the model's 6 routed experts are not divisible by the expert-parallel size 4"):
+        resolve_config(EngineConfig(model=path, tensor_parallel_size=4, enable_expert_parallel=True))
+    llama = save_tiny_checkpoint("LlamaForCausalLM", tmp_path / "llama")
+    with pytest.raises(ValueError, match=r"enable_expert_parallel: the model has no routed experts"):
+        resolve_config(EngineConfig(model=str(llama), enable_expert_parallel=True))
+    with pytest.raises(ValueError, match=r"all2all_backend must be one of naive, all_to_all, got 'pplx'"):
+        EngineConfig(all2all_backend="pplx")
+
+
+@pytest.mark.parametrize("backend", ["naive", "all_to_all"])
+def test_ep2_deepseek_v3_matches_one_process(tmp_path_factory, backend):
+    """32 experts, 16 whole ones per rank, tokens dispatched over each all-to-all backend
+    (the shared expert still sliced by tensor parallelism): one process's tokens,
+    preemptions and prefix hits; every block comes back."""
+    path = tmp_path_factory.getbasetemp() / "ep-deepseek"
+    if not path.exists():
+        save_deepseek(path, "v3", n_routed_experts=32)
+    expected, expected_stats = run_rounds(LLM(str(path), **SMALL_CACHE))
+    llm = LLM(str(path), tensor_parallel_size=2, enable_expert_parallel=True, all2all_backend=backend, **SMALL_CACHE)
+    try:
+        tokens, stats = run_rounds(llm)
+        assert tokens == expected
+        for key in ("num_preemptions", "prefix_cache_hit_tokens", "kv_blocks_total"):
+            assert stats[key] == expected_stats[key], key
+        assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
     finally:
         shutdown(llm)
