@@ -6,7 +6,8 @@ machine), for each all-to-all backend, against the layer on one process.
 The layer is DeepSeek-V3-shaped (sigmoid grouped top-k routing, ``--experts`` experts of
 ``--inter`` intermediate, top 4), random float32 weights; each rank holds half the experts
 and dispatches its half of the tokens. Milliseconds are the median of ``--iters`` forwards
-after a warm-up, measured on rank 0 (the ranks run in lockstep).
+after a warm-up, measured on rank 0 (the ranks run in lockstep); every process runs one
+torch thread.
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ def main() -> None:
     parser.add_argument("--inter", type=int, default=512)
     parser.add_argument("--iters", type=int, default=10)
     args = parser.parse_args()
-    torch.set_num_threads(2)
+    torch.set_num_threads(1)
     single = build_layer(args, expert_parallel=False)
     baseline = {t: time_layer(single, t, args.iters, args.hidden, args.experts) for t in args.tokens}
     with mp.Manager() as manager:
@@ -90,7 +91,7 @@ def main() -> None:
         mp.spawn(rank_main, args=(args, 29600 + int(time.time()) % 1000, results), nprocs=2)
         results = dict(results)
     for tokens in args.tokens:
-        line = f"{tokens:5d} tokens: one process (2 threads) {baseline[tokens]:7.2f} ms"
+        line = f"{tokens:5d} tokens: one process {baseline[tokens]:7.2f} ms"
         for backend in ALL2ALL_BACKENDS:
             line += f"; ep=2 {backend} {results[backend, tokens]:7.2f} ms"
         print(line)
