@@ -38,7 +38,7 @@ class EngineConfig(EngineArgs):
     (model path, HF config, platform, torch dtype, lengths).
 
     Settings whose feature has not landed (quantization without a registered method, pipeline
-    parallelism on Ray or with speculative decoding or LoRA) raise ``ValueError`` rather than
+    parallelism on Ray or with LoRA) raise ``ValueError`` rather than
     being ignored; so does
     ``gpu_memory_utilization`` (None: 0.9 on GPUs) on a CPU platform, and a tensor-parallel
     size that does not divide the model's attention heads.
@@ -163,7 +163,6 @@ class EngineConfig(EngineArgs):
         pp = self.pipeline_parallel_size
         for feature, wanted in (
             ("the ray executor", self.distributed_executor_backend == "ray"),
-            ("speculative decoding", self.speculative is not None),
             ("enable_lora", self.enable_lora),
         ):
             if pp > 1 and wanted:

@@ -271,6 +271,7 @@ class EngineCore:
                 model_output.spec_token_ids,
             )
             self._advance_grammars(outputs)
+            self._validate_drafts(model_output.spec_token_ids)
         except Exception:
             self.failed_req_ids = [o.req_id for o in failed] + self._fail_queue(queue, scheduler_output)
             raise

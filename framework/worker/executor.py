@@ -24,8 +24,9 @@ class ExecutorDeadError(RuntimeError):
 
 
 class Executor:
-    """What the engine core asks of its workers. ``worker_info`` describes rank 0's model;
-    every call goes to all ranks, and the results are rank 0's."""
+    """What the engine core asks of its workers. ``worker_info`` describes the model of the
+    rank that samples (rank 0, the last stage's first under pipeline parallelism); every call
+    goes to all ranks, and the results are rank 0's (the sampling rank's for a step)."""
 
     worker_info: WorkerInfo
 

@@ -13,8 +13,9 @@ are accepted while they equal the sampled tokens, the rejected ones roll
 
 Under pipeline parallelism a stage after the first receives the previous stage's residual
 stream instead of embedding the tokens, a stage before the last sends its own to the next and
-returns no tokens; only the last stage samples, and the others learn the sampled tokens from
-the scheduler (``CachedRequestData.new_token_ids``).
+returns no tokens; only the last stage samples (and drafts, with speculative decoding), and
+the others learn the sampled tokens from the scheduler (``CachedRequestData.new_token_ids``)
+and the drafts from ``scheduled_spec_decode_tokens``.
 """
 
 from __future__ import annotations
@@ -30,7 +31,12 @@ from torch import nn
 from tokenmill.config import EngineConfig
 from tokenmill.config_resolver import quantization_method
 from tokenmill.core.scheduler_output import SchedulerOutput
-from tokenmill.distributed.parallel_state import is_first_pp_rank, pp_recv, pp_send
+from tokenmill.distributed.parallel_state import (
+    is_first_pp_rank,
+    is_last_pp_rank,
+    pp_recv,
+    pp_send,
+)
 from tokenmill.forward_context import set_forward_context
 from tokenmill.interfaces.attention import CommonAttentionMetadata
 from tokenmill.interfaces.kv_cache_spec import KVCacheSpec
@@ -117,7 +123,7 @@ class ModelRunner:
         self.draft_probs: dict[str, torch.Tensor] = {}
         """``[k, V]`` draft distributions of the drafts proposed after the last step, per
         request, from a proposer that gives them; the next step's sampling consumes them."""
-        if config.speculative is not None:
+        if config.speculative is not None and is_last_pp_rank():
             from tokenmill import plugins
 
             proposer_cls = plugins.get_registry("proposers").choose(config.speculative.method)

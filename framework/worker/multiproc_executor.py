@@ -101,7 +101,7 @@ class MultiprocExecutor(DistributedExecutor):
             for rank, sock in enumerate(self._requests):
                 sock.send(pickle.dumps((config, rank, init_method, registrations)))
             self._gather("startup")
-            self.worker_info = self._call("describe")
+            self.worker_info = self._call_all("describe")[self.output_rank]
         except BaseException:
             self.shutdown()
             raise

@@ -44,8 +44,8 @@ class FakeQuant(QuantizationMethod):
     "kwargs, message",
     [
         (
-            {"pipeline_parallel_size": 2, "speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},
-            r"pipeline parallelism with speculative decoding is not implemented yet \(pipeline_parallel_size=2\)",
+            {"pipeline_parallel_size": 2, "enable_lora": True},
+            r"pipeline parallelism with enable_lora is not implemented yet \(pipeline_parallel_size=2\)",
         ),
     ],
 )
