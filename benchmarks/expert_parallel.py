@@ -24,7 +24,7 @@ from tokenmill.distributed.parallel_state import (
     init_distributed_environment,
 )
 from tokenmill.interfaces.build_context import BuildContext
-from tokenmill.interfaces.device_communicator import ALL2ALL_BACKENDS, DeviceCommunicator
+from tokenmill.distributed.device_communicator import ALL2ALL_BACKENDS, DeviceCommunicator
 from tokenmill.layers.build_context import model_build_context
 from tokenmill.layers.fused_moe import FusedMoE
 

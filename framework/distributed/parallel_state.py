@@ -7,8 +7,9 @@ identity, so single-device runs pay nothing. A worker of a multi-rank executor c
 :func:`init_distributed_environment` before it builds the model and
 :func:`destroy_distributed_environment` when it stops. Every collective runs through the
 platform's device communicator (``Platform.get_device_communicator_cls``, a
-``tokenmill.interfaces.device_communicator.DeviceCommunicator``): one for the stage's
-tensor-parallel group, one for the world (the stage-to-stage sends).
+:class:`~tokenmill.distributed.device_communicator.DeviceCommunicator`): one for the stage's
+tensor-parallel group, one for the world (the stage-to-stage sends). A caller that initialised
+``torch.distributed`` itself gets the base communicator over its world group.
 
 Ranks are laid out as vLLM's: ``rank = stage * tensor_parallel_size + tp_rank``; a stage's
 ranks form its tensor-parallel group, and each sends its activations to the rank with the
@@ -18,17 +19,17 @@ same ``tp_rank`` in the next stage.
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from tokenmill import envs
+from tokenmill.distributed.device_communicator import DeviceCommunicator
 
-_TP_COMM: Any = None
-"""The tensor-parallel group's device communicator (None: one rank)."""
-_WORLD_COMM: Any = None
-"""The world group's device communicator (None: one rank)."""
+_TP_COMM: DeviceCommunicator | None = None
+"""The tensor-parallel group's device communicator (None: not made here)."""
+_WORLD_COMM: DeviceCommunicator | None = None
+"""The world group's device communicator (None: not made here)."""
 _PP_RANK = 0
 _PP_SIZE = 1
 _TP_SIZE = 1
@@ -45,7 +46,7 @@ def init_distributed_environment(
     rank: int,
     world_size: int,
     pipeline_parallel_size: int,
-    communicator_cls: Any,
+    communicator_cls: type[DeviceCommunicator],
     device: torch.device,
     all2all_backend: str = "naive",
 ) -> None:
@@ -82,31 +83,37 @@ def destroy_distributed_environment() -> None:
     _PP_RANK, _PP_SIZE, _TP_SIZE, _TP_COMM, _WORLD_COMM = 0, 1, 1, None, None
 
 
-def get_tp_communicator() -> Any:
-    """The tensor-parallel group's device communicator; None with one rank."""
-    return _TP_COMM if _TP_COMM is not None and _TP_COMM.world_size > 1 else None
+def get_tp_communicator() -> DeviceCommunicator | None:
+    """The tensor-parallel group's device communicator: the one
+    :func:`init_distributed_environment` made, else the base one over the world group of a
+    caller that initialised ``torch.distributed`` itself; None without ``torch.distributed``."""
+    if _TP_COMM is not None:
+        return _TP_COMM
+    if dist.is_available() and dist.is_initialized():
+        return DeviceCommunicator(None, torch.device("cpu"))
+    return None
 
 
 def get_tensor_model_parallel_world_size() -> int:
-    return 1 if _TP_COMM is None else _TP_COMM.world_size
+    comm = get_tp_communicator()
+    return 1 if comm is None else comm.world_size
 
 
 def get_tensor_model_parallel_rank() -> int:
-    return 0 if _TP_COMM is None else _TP_COMM.rank
+    comm = get_tp_communicator()
+    return 0 if comm is None else comm.rank
 
 
 def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum ``x`` over the tensor-parallel ranks (in place when distributed)."""
-    if get_tensor_model_parallel_world_size() == 1:
-        return x
-    return _TP_COMM.all_reduce(x)
+    comm = get_tp_communicator()
+    return x if comm is None or comm.world_size == 1 else comm.all_reduce(x)
 
 
 def tensor_model_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Concatenate every rank's ``x`` along ``dim``, in rank order."""
-    if get_tensor_model_parallel_world_size() == 1:
-        return x
-    return _TP_COMM.all_gather(x, dim)
+    comm = get_tp_communicator()
+    return x if comm is None or comm.world_size == 1 else comm.all_gather(x, dim)
 
 
 def get_pipeline_model_parallel_world_size() -> int:

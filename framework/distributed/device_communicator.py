@@ -3,7 +3,8 @@
 ``reduce_scatter``), pipeline parallelism (``send``/``recv``) and expert parallelism
 (``dispatch``/``combine``, over a pluggable all-to-all backend) call. A platform names its
 class with ``Platform.get_device_communicator_cls``; this base runs every collective through
-``torch.distributed`` on the group's backend (gloo on the CPU, NCCL on GPUs).
+``torch.distributed`` on the group's backend (gloo on the CPU, NCCL on GPUs). It lives with the
+parallel state, a base module, so that every layer and plugin may use and subclass it.
 """
 
 from __future__ import annotations
