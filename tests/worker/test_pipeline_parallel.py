@@ -15,14 +15,25 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+import torch.multiprocessing as mp
 
 from support.deepseek_checkpoints import save_deepseek, write_mtp_checkpoint
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import EngineConfig
 from tokenmill.config_resolver import resolve_config
-from tokenmill.distributed.parallel_state import get_pp_indices
+from tokenmill.distributed.device_communicator import ALL2ALL_BACKENDS, DeviceCommunicator
+from tokenmill.distributed.parallel_state import (
+    destroy_distributed_environment,
+    get_pp_indices,
+    init_distributed_environment,
+)
 from tokenmill.engine.async_llm import AsyncLLM
+from tokenmill.interfaces.build_context import BuildContext
+from tokenmill.layers.build_context import model_build_context
+from tokenmill.layers.fused_moe import FusedMoE
 from tokenmill.testing.checkpoints import random_prompts, save_tiny_checkpoint
+from tokenmill.worker.multiproc_executor import get_open_port
 from worker.test_distributed import (
     SMALL_CACHE,
     alive,
@@ -206,16 +217,13 @@ def test_expert_parallel_settings_are_refused(tmp_path):
         EngineConfig(all2all_backend="pplx")
 
 
-@pytest.mark.parametrize("backend", ["naive", "all_to_all"])
-def test_ep2_deepseek_v3_matches_one_process(tmp_path_factory, backend):
-    """32 experts, 16 whole ones per rank, tokens dispatched over each all-to-all backend
-    (the shared expert still sliced by tensor parallelism): one process's tokens,
-    preemptions and prefix hits; every block comes back."""
-    path = tmp_path_factory.getbasetemp() / "ep-deepseek"
-    if not path.exists():
-        save_deepseek(path, "v3", n_routed_experts=32)
-    expected, expected_stats = run_rounds(LLM(str(path), **SMALL_CACHE))
-    llm = LLM(str(path), tensor_parallel_size=2, enable_expert_parallel=True, all2all_backend=backend, **SMALL_CACHE)
+def test_ep2_deepseek_v3_matches_one_process(tmp_path):
+    """32 experts, 16 whole ones per rank, tokens dispatched by a true all-to-all (the
+    shared expert still sliced by tensor parallelism): one process's tokens, preemptions and
+    prefix hits; every block comes back. (The naive backend: the test below.)"""
+    path = save_deepseek(tmp_path / "ep", "v3", n_routed_experts=32)[0]
+    expected, expected_stats = run_rounds(LLM(path, **SMALL_CACHE))
+    llm = LLM(path, tensor_parallel_size=2, enable_expert_parallel=True, all2all_backend="all_to_all", **SMALL_CACHE)
     try:
         tokens, stats = run_rounds(llm)
         assert tokens == expected
@@ -224,3 +232,44 @@ def test_ep2_deepseek_v3_matches_one_process(tmp_path_factory, backend):
         assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
     finally:
         shutdown(llm)
+
+
+def _moe_rank(rank: int, port: int, out: str) -> None:
+    torch.set_num_threads(1)
+    results = {}
+    for backend in ALL2ALL_BACKENDS:
+        init_distributed_environment(
+            "gloo", f"tcp://127.0.0.1:{port}", rank, 2, 1, DeviceCommunicator, torch.device("cpu"), backend
+        )
+        results[backend] = moe_outputs(expert_parallel=True)
+        destroy_distributed_environment()
+        port += 1
+    if rank == 0:
+        torch.save(results, out)
+
+
+def moe_outputs(expert_parallel: bool) -> list[torch.Tensor]:
+    """A DeepSeek-V3-style MoE layer's output for 1, 7 (not a multiple of the ranks) and 16
+    tokens."""
+    torch.manual_seed(0)
+    with model_build_context(BuildContext(None, enable_expert_parallel=expert_parallel)):
+        layer = FusedMoE(8, 2, 16, 8, scoring_func="sigmoid", renormalize=True, num_expert_group=4, topk_group=2)
+    w13, w2 = torch.randn(8, 16, 16), torch.randn(8, 16, 8)
+    for e in range(8):
+        layer.weight_loader(layer.w13_weight, w13[e, :8], e, "w1")
+        layer.weight_loader(layer.w13_weight, w13[e, 8:], e, "w3")
+        layer.weight_loader(layer.w2_weight, w2[e], e, "w2")
+    return [layer(torch.randn(n, 16), torch.randn(n, 8)) for n in (1, 7, 16)]
+
+
+def test_all2all_backends_give_the_single_process_moe_output(tmp_path):
+    """Two gloo ranks of 4 experts each: every all-to-all backend's MoE output equals the
+    layer's on one process holding all 8."""
+    expected = moe_outputs(expert_parallel=False)
+    out = tmp_path / "ep.pt"
+    mp.spawn(_moe_rank, args=(get_open_port(), str(out)), nprocs=2)
+    results = torch.load(out)
+    assert set(results) == set(ALL2ALL_BACKENDS)
+    for backend, outputs in results.items():
+        for got, want in zip(outputs, expected):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=backend)
