@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, get_args
 import torch
 
 from tokenmill.engine_args import (
+    ALL2ALL_BACKEND_NAMES,
     HASH_ALGOS,
     LOGPROBS_MODES,
     DistributedExecutorBackend,
@@ -38,7 +39,8 @@ class EngineConfig(EngineArgs):
     (model path, HF config, platform, torch dtype, lengths).
 
     Settings whose feature has not landed (quantization without a registered method, pipeline
-    parallelism) raise ``ValueError`` rather than being ignored; so does
+    parallelism on Ray or with LoRA) raise ``ValueError`` rather than
+    being ignored; so does
     ``gpu_memory_utilization`` (None: 0.9 on GPUs) on a CPU platform, and a tensor-parallel
     size that does not divide the model's attention heads.
     """
@@ -100,6 +102,11 @@ class EngineConfig(EngineArgs):
             raise ValueError(
                 f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}"
             )
+        if self.all2all_backend not in ALL2ALL_BACKEND_NAMES:
+            raise ValueError(
+                f"all2all_backend must be one of {', '.join(ALL2ALL_BACKEND_NAMES)}, "
+                f"got {self.all2all_backend!r}"
+            )
         if self.calculate_kv_scales and self.kv_cache_dtype == "auto":
             raise ValueError("calculate_kv_scales needs an FP8 KV cache (kv_cache_dtype='fp8')")
         if self.speculative_config is not None:
@@ -114,10 +121,12 @@ class EngineConfig(EngineArgs):
                 f"{', '.join(get_args(DistributedExecutorBackend))} or None, got "
                 f"{self.distributed_executor_backend!r}"
             )
-        if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:
+        if self.distributed_executor_backend == "uni" and self.world_size > 1:
             raise ValueError(
                 f"distributed_executor_backend='uni' runs one worker; tensor_parallel_size="
-                f"{self.tensor_parallel_size} needs 'mp' or 'ray'"
+                f"{self.tensor_parallel_size} x pipeline_parallel_size="
+                f"{self.pipeline_parallel_size} needs 'mp'"
+                + (" or 'ray'" if self.pipeline_parallel_size == 1 else "")
             )
         if self.tensor_parallel_size > 1 and self.speculative is not None:
             raise ValueError(
@@ -178,22 +187,28 @@ class EngineConfig(EngineArgs):
             )
 
     def _refuse_missing_features(self) -> None:
-        defaults = {f.name: f.default for f in fields(self)}
-        for feature, name, wanted in (
-            ("pipeline parallelism", "pipeline_parallel_size", self.pipeline_parallel_size > 1),
+        pp = self.pipeline_parallel_size
+        for feature, wanted in (
+            ("the ray executor", self.distributed_executor_backend == "ray"),
+            ("enable_lora", self.enable_lora),
         ):
-            if wanted:
+            if pp > 1 and wanted:
                 raise ValueError(
-                    f"{feature} is not implemented yet ({name}={getattr(self, name)!r}); "
-                    f"leave {name} at {defaults[name]!r}"
+                    f"pipeline parallelism with {feature} is not implemented yet "
+                    f"(pipeline_parallel_size={pp}); leave pipeline_parallel_size at 1"
                 )
+
+    @property
+    def world_size(self) -> int:
+        """Worker ranks of one engine core: ``tensor_parallel_size * pipeline_parallel_size``."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     @property
     def executor_backend(self) -> str:
         """``distributed_executor_backend``, resolved: uni for one rank, else mp unless set."""
         if self.distributed_executor_backend is not None:
             return self.distributed_executor_backend
-        return "uni" if self.tensor_parallel_size == 1 else "mp"
+        return "uni" if self.world_size == 1 else "mp"
 
 
 def _positive_int(name: str, value: Any) -> None:

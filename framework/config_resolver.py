@@ -12,12 +12,14 @@ import torch
 
 from tokenmill import plugins
 from tokenmill.config import DTYPES, EngineConfig
+from tokenmill.distributed.parallel_state import check_pp_partition
 from tokenmill.default_model import cache_dir, default_model_path, gguf_path
 from tokenmill.engine_args import DEFAULT_MAX_NUM_BATCHED_TOKENS, MAX_DEFAULT_MODEL_LEN
 from tokenmill.interfaces.quantization import QuantizationMethod
 from tokenmill.kv_cache_dtype import kv_cache_torch_dtype
 from tokenmill.model_loader.gguf_file import is_gguf_file, metadata_dir
 from tokenmill.model_loader.loader import load_hf_config
+from tokenmill.plugins import ModelRegistry
 from tokenmill.selector import select_platform
 from tokenmill.speculative_config import SpeculativeConfig
 
@@ -32,10 +34,17 @@ def resolve_config(config: EngineConfig) -> EngineConfig:
     config.kv_cache_torch_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, config.torch_dtype)
     _check_quantization(config)
     _check_tensor_parallel(config)
+    _check_pipeline_parallel(config)
+    _check_expert_parallel(config)
     if config.speculative is not None:
         _check_speculative(config, config.speculative)
     if config.kv_transfer is not None:
         _check_kv_connector(config.kv_transfer.kv_connector)
+        if config.pipeline_parallel_size > 1:
+            raise ValueError(
+                "kv_transfer_config with pipeline_parallel_size > 1: a KV connector runs with "
+                "one pipeline stage only"
+            )
     if config.gpu_memory_utilization is not None and config.platform_cls.device_type == "cpu":
         raise ValueError(
             f"gpu_memory_utilization applies to GPU platforms only; platform "
@@ -128,6 +137,38 @@ def _check_kv_connector(name: str) -> None:
         raise ValueError(
             f"kv_transfer_config['kv_connector'] {name!r} is not a registered KV connector; "
             f"registered: {', '.join(registry.names()) or 'none'}{registry.filter_suffix()}"
+        )
+
+
+def _check_pipeline_parallel(config: EngineConfig) -> None:
+    """The model must declare pipeline support (``supports_pp``) and have a layer for every
+    stage."""
+    pp = config.pipeline_parallel_size
+    if pp == 1:
+        return
+    model_cls, arch = ModelRegistry.resolve(getattr(config.hf_config, "architectures", None))
+    if not getattr(model_cls, "supports_pp", False):
+        raise ValueError(
+            f"pipeline_parallel_size={pp}: model {arch} does not support pipeline parallelism "
+            f"(its class does not declare supports_pp)"
+        )
+    check_pp_partition(config.hf_config.num_hidden_layers, pp)
+
+
+def _check_expert_parallel(config: EngineConfig) -> None:
+    """Expert parallelism needs routed experts that split evenly over a stage's
+    tensor-parallel ranks."""
+    if not config.enable_expert_parallel:
+        return
+    experts = getattr(config.hf_config, "n_routed_experts", None)
+    if not experts:
+        raise ValueError(
+            "enable_expert_parallel: the model has no routed experts (n_routed_experts) to shard"
+        )
+    if experts % config.tensor_parallel_size:
+        raise ValueError(
+            f"enable_expert_parallel: the model's {experts} routed experts are not divisible by "
+            f"the expert-parallel size {config.tensor_parallel_size} (tensor_parallel_size)"
         )
 
 

@@ -15,6 +15,9 @@ DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 
 DistributedExecutorBackend = Literal["uni", "mp", "ray"]
 
+All2AllBackendName = Literal["naive", "all_to_all"]
+ALL2ALL_BACKEND_NAMES: tuple[str, ...] = get_args(All2AllBackendName)
+
 PrefixCachingHashAlgo = Literal["sha256", "builtin"]
 HASH_ALGOS: tuple[str, ...] = get_args(PrefixCachingHashAlgo)
 
@@ -115,7 +118,24 @@ class EngineArgs:
         "process (or Ray actor) per rank",
         flags=("-tp",),
     )
-    pipeline_parallel_size: int = _arg(1, "pipeline stages (above 1: not implemented yet)")
+    pipeline_parallel_size: int = _arg(
+        1,
+        "pipeline stages: each holds a contiguous run of the decoder layers (the first the "
+        "embedding, the last the norm and LM head) on tensor_parallel_size worker processes, "
+        "and the engine keeps this many batches in flight so the stages work at once",
+        flags=("-pp",),
+    )
+    enable_expert_parallel: bool = _arg(
+        False,
+        "shard each MoE layer's routed experts over the tensor-parallel ranks of a stage (each "
+        "holds num_experts / tensor_parallel_size whole experts) instead of slicing every "
+        "expert; tokens go to their experts' ranks and back through all2all_backend",
+    )
+    all2all_backend: All2AllBackendName = _arg(
+        "naive",
+        "how expert parallelism moves tokens: naive (all-gather the tokens, reduce-scatter the "
+        "outputs) or all_to_all (each token only to its experts' ranks and back)",
+    )
     data_parallel_size: int = _arg(
         1,
         "data-parallel engine cores behind one front end (AsyncLLM, 'tokenmill serve'), each "

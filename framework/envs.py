@@ -97,6 +97,18 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
         "KV-cache size in GiB on a CPU platform when kv_cache_memory_bytes and num_kv_blocks "
         "are unset, at most a quarter of the available memory",
     ),
+    "TOKENMILL_PP_LAYER_PARTITION": EnvVar(
+        "list",
+        None,
+        "decoder layers of each pipeline stage, comma-separated (e.g. 10,20 for 30 layers over "
+        "two stages); unset: an even split, the remainder to the stages before the last",
+    ),
+    "TOKENMILL_PP_BATCH_QUEUE": EnvVar(
+        "bool",
+        True,
+        "under pipeline parallelism keep pipeline_parallel_size steps in flight so the stages "
+        "work at once; 0: one step at a time (to measure what the queue gains)",
+    ),
     "TOKENMILL_CPU_THREADS": EnvVar(
         "int", None, "torch threads of an engine on a CPU platform; unset: torch's default"
     ),

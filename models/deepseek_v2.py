@@ -20,11 +20,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.distributed.parallel_state import get_tensor_model_parallel_world_size
+from tokenmill.distributed.parallel_state import (
+    get_tensor_model_parallel_world_size,
+    is_first_pp_rank,
+    is_last_pp_rank,
+)
 from tokenmill.layers.fused_moe import FusedMoE
 from tokenmill.layers.layernorm import RMSNorm
 from tokenmill.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from tokenmill.layers.mla_attention import MLAAttention
+from tokenmill.layers.pipeline import (
+    IntermediateTensors,
+    PPMissingLayer,
+    make_layers,
+    missing_prefixes,
+)
 from tokenmill.layers.rotary_embedding import get_rope, rope_config, yarn_get_mscale
 from tokenmill.layers.vocab_embedding import VocabParallelEmbedding
 from tokenmill.model_loader.weights import default_weight_loader, find_param
@@ -207,26 +217,40 @@ class DeepseekV2DecoderLayer(PreNormDecoderLayer):
 
 
 class DeepseekV2Model(nn.Module):
-    """Embedding, decoder stack and final norm."""
+    """Embedding, decoder stack and final norm; under pipeline parallelism, this stage's
+    part of them (the embedding on the first stage, the norm on the last)."""
 
     def __init__(self, config: Any, prefix: str = "", *, v3: bool) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(
-            config.vocab_size, config.hidden_size, prefix=maybe_prefix(prefix, "embed_tokens")
-        )
-        self.layers = nn.ModuleList(
-            DeepseekV2DecoderLayer(
-                config, prefix=maybe_prefix(prefix, f"layers.{i}"), layer_idx=i, v3=v3
+        self.embed_tokens: nn.Module = PPMissingLayer()
+        if is_first_pp_rank():
+            self.embed_tokens = VocabParallelEmbedding(
+                config.vocab_size, config.hidden_size, prefix=maybe_prefix(prefix, "embed_tokens")
             )
-            for i in range(config.num_hidden_layers)
+        self.start_layer, self.end_layer, self.layers = make_layers(
+            config.num_hidden_layers,
+            lambda i: DeepseekV2DecoderLayer(
+                config, prefix=maybe_prefix(prefix, f"layers.{i}"), layer_idx=i, v3=v3
+            ),
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm: nn.Module = PPMissingLayer()
+        if is_last_pp_rank():
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden_states = self.embed_tokens(input_ids)
-        residual = None
-        for layer in self.layers:
-            hidden_states, residual = layer(positions, hidden_states, residual)
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        intermediate_tensors: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        if intermediate_tensors is None:
+            hidden_states, residual = self.embed_tokens(input_ids), None
+        else:
+            hidden_states, residual = intermediate_tensors.hidden_states, intermediate_tensors.residual
+        for idx in range(self.start_layer, self.end_layer):
+            hidden_states, residual = self.layers[idx](positions, hidden_states, residual)
+        if not is_last_pp_rank():
+            return IntermediateTensors(hidden_states, residual)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
@@ -317,15 +341,22 @@ class DeepseekV2ForCausalLM(CausalLM):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load the decoder stack; MTP layers (index ≥ ``num_hidden_layers``) are skipped."""
         num_layers = self.config.num_hidden_layers
+        other_stages = missing_prefixes(self)
+        tied_here = self.tie_word_embeddings and not isinstance(self.model.embed_tokens, PPMissingLayer)
 
         def skip(name: str) -> bool:
             match = _LAYER_INDEX.match(name)
             if match is not None and int(match.group(1)) >= num_layers:
                 return True
-            return self.tie_word_embeddings and name.startswith("lm_head.")
+            return tied_here and name.startswith("lm_head.")
 
+        stage_weights = (
+            (stage_name, tensor)
+            for name, tensor in weights
+            if (stage_name := self.stage_weight_name(name, other_stages)) is not None
+        )
         return load_deepseek_weights(
-            self, weights, getattr(self.config, "n_routed_experts", None) or 0, skip
+            self, stage_weights, getattr(self.config, "n_routed_experts", None) or 0, skip
         )
 
 

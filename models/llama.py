@@ -14,7 +14,11 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from tokenmill.distributed.parallel_state import get_tensor_model_parallel_world_size
+from tokenmill.distributed.parallel_state import (
+    get_tensor_model_parallel_world_size,
+    is_first_pp_rank,
+    is_last_pp_rank,
+)
 from tokenmill.layers.activation import SiluAndMul
 from tokenmill.layers.attention import Attention
 from tokenmill.layers.layernorm import ResidualSum, RMSNorm
@@ -22,6 +26,12 @@ from tokenmill.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
+)
+from tokenmill.layers.pipeline import (
+    IntermediateTensors,
+    PPMissingLayer,
+    make_layers,
+    missing_prefixes,
 )
 from tokenmill.layers.rotary_embedding import get_rope, rope_config
 from tokenmill.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
@@ -190,7 +200,8 @@ class LlamaDecoderLayer(PreNormDecoderLayer):
 
 
 class LlamaModel(nn.Module):
-    """Embedding, decoder stack and final norm."""
+    """Embedding, decoder stack and final norm; under pipeline parallelism, this stage's
+    part of them (the embedding on the first stage, the norm on the last)."""
 
     def __init__(
         self,
@@ -200,32 +211,45 @@ class LlamaModel(nn.Module):
     ) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = VocabParallelEmbedding(
-            config.vocab_size, config.hidden_size, prefix=maybe_prefix(prefix, "embed_tokens")
+        self.embed_tokens: nn.Module = PPMissingLayer()
+        if is_first_pp_rank():
+            self.embed_tokens = VocabParallelEmbedding(
+                config.vocab_size, config.hidden_size, prefix=maybe_prefix(prefix, "embed_tokens")
+            )
+        self.start_layer, self.end_layer, self.layers = make_layers(
+            config.num_hidden_layers,
+            lambda i: layer_type(config, prefix=maybe_prefix(prefix, f"layers.{i}"), layer_idx=i),
         )
-        self.layers = nn.ModuleList(
-            layer_type(config, prefix=maybe_prefix(prefix, f"layers.{i}"), layer_idx=i)
-            for i in range(config.num_hidden_layers)
-        )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm: nn.Module = PPMissingLayer()
+        if is_last_pp_rank():
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.aux_hidden_state_layers: tuple[int, ...] = ()
         self.residual_sum = ResidualSum()
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        intermediate_tensors: IntermediateTensors | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | IntermediateTensors:
         """Final normalised hidden states; with ``aux_hidden_state_layers`` set, also the
-        residual stream entering each of those layers, concatenated ([T, n·hidden])."""
-        hidden_states = self.embed_tokens(input_ids)
-        residual = None
+        residual stream entering each of those layers, concatenated ([T, n·hidden]). A stage
+        after the first starts from ``intermediate_tensors``; a stage before the last returns
+        its residual stream instead."""
+        if intermediate_tensors is None:
+            hidden_states, residual = self.embed_tokens(input_ids), None
+        else:
+            hidden_states, residual = intermediate_tensors.hidden_states, intermediate_tensors.residual
         aux_layers = self.aux_hidden_state_layers
         size = hidden_states.shape[-1]
         aux = hidden_states.new_empty(hidden_states.shape[0], len(aux_layers) * size) if aux_layers else None
-        for idx, layer in enumerate(self.layers):
+        for idx in range(self.start_layer, self.end_layer):
             for slot, aux_idx in enumerate(aux_layers):
                 if aux_idx == idx:
                     self.residual_sum(hidden_states, residual, aux[:, slot * size : (slot + 1) * size])
-            hidden_states, residual = layer(positions, hidden_states, residual)
+            hidden_states, residual = self.layers[idx](positions, hidden_states, residual)
+        if not is_last_pp_rank():
+            return IntermediateTensors(hidden_states, residual)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states if aux is None else (hidden_states, aux)
 
@@ -234,24 +258,48 @@ class CausalLM(nn.Module):
     """A decoder stack ``model`` (with ``embed_tokens``) under an LM head, tied to the
     embedding when the config says so: ``forward`` returns the stack's last-layer hidden
     states [T, hidden]; ``compute_logits`` turns the rows the sampler needs into float32
-    logits."""
+    logits. Under pipeline parallelism only the last stage holds the LM head; a tied head on
+    a stage without the embedding loads the embedding's checkpoint weight itself."""
+
+    supports_pp: ClassVar[bool] = True
+    """The stack runs split into pipeline stages (``tokenmill.layers.pipeline``)."""
 
     def __init__(self, config: Any, model: nn.Module, prefix: str = "") -> None:
         super().__init__()
         self.config = config
         self.model = model
-        self.lm_head = ParallelLMHead(
-            config.vocab_size, config.hidden_size, prefix=maybe_prefix(prefix, "lm_head")
-        )
-        if self.tie_word_embeddings:
-            self.lm_head.tie_weights(self.model.embed_tokens)
+        self.lm_head: nn.Module = PPMissingLayer()
+        if is_last_pp_rank():
+            self.lm_head = ParallelLMHead(
+                config.vocab_size, config.hidden_size, prefix=maybe_prefix(prefix, "lm_head")
+            )
+            if self.tie_word_embeddings and is_first_pp_rank():
+                self.lm_head.tie_weights(self.model.embed_tokens)
 
     @property
     def tie_word_embeddings(self) -> bool:
         return bool(getattr(self.config, "tie_word_embeddings", False))
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> Any:
-        return self.model(input_ids, positions)
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        intermediate_tensors: IntermediateTensors | None = None,
+    ) -> Any:
+        return self.model(input_ids, positions, intermediate_tensors)
+
+    def stage_weight_name(self, name: str, skip: tuple[str, ...]) -> str | None:
+        """The name checkpoint weight ``name`` loads under on this pipeline stage, None when
+        another stage holds it (under a ``skip`` prefix): a tied LM head without the
+        embedding on its stage loads the embedding's weight."""
+        if (
+            self.tie_word_embeddings
+            and name == "model.embed_tokens.weight"
+            and isinstance(self.model.embed_tokens, PPMissingLayer)
+            and not isinstance(self.lm_head, PPMissingLayer)
+        ):
+            return "lm_head.weight"
+        return None if name.startswith(skip) else name
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden_states)
@@ -298,8 +346,10 @@ class LlamaForCausalLM(CausalLM):
             all_shards[fused].add(shard_id)
         shards_seen: dict[str, set] = defaultdict(set)
         loaded: set[str] = set()
+        skip = missing_prefixes(self)
         for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
+            name = self.stage_weight_name(name, skip)
+            if name is None or "rotary_emb.inv_freq" in name:
                 continue
             if self.tie_word_embeddings and name.startswith("lm_head.") and name not in params:
                 continue

@@ -25,6 +25,11 @@ in ``WAITING_FOR_REMOTE_KVS``, holding its blocks, until a worker reports the lo
 the other requests are scheduled meanwhile. A finished request's blocks stay held while the
 connector sends them (``request_finished`` returns ``delay_free``), until a worker reports them
 sent; so do those of a request aborted while its load runs, until the load finished.
+
+With a batch queue (pipeline parallelism) several steps are in flight at once: a request of a
+step whose output is not in yet (``in_flight``) is neither scheduled again nor preempted, and
+with ``send_token_ids`` the requests the workers hold carry the tokens they run (only the
+last stage samples; the others learn the sampled tokens this way).
 """
 
 from __future__ import annotations
@@ -56,6 +61,8 @@ class SchedulerConfig:
     """Steps with at least this many running requests do not speculate; 0: never disabled."""
     max_loras: int = 0
     """Most distinct LoRA adapters among the running requests; 0: LoRA is off."""
+    send_token_ids: bool = False
+    """Cached requests carry their scheduled token ids (``CachedRequestData.new_token_ids``)."""
 
     def __post_init__(self) -> None:
         if self.long_prefill_token_threshold > 0 and not self.enable_chunked_prefill:
@@ -119,6 +126,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()
         self.num_preemptions = 0
+        self.in_flight: set[str] = set()
+        """Requests of the steps executing: not scheduled again before their output is in."""
         self.spec_stats = SpecDecodingStats(config.num_speculative_tokens)
 
     def add_request(self, request: Request) -> None:
@@ -150,12 +159,14 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = self._num_new_tokens(req, req.num_computed_tokens, budget)
-            if num_new == 0:
+            if num_new == 0 or req.request_id in self.in_flight:
                 i += 1
                 continue
             new_blocks = self.kv.allocate_slots(req, num_new, num_lookahead_tokens=lookahead)
             while new_blocks is None:
                 victim = self._pick_victim()
+                if victim is None:
+                    break
                 if self.running.index(victim) < i:
                     i -= 1
                 self.running.remove(victim)
@@ -180,16 +191,21 @@ class Scheduler:
 
         cached = CachedRequestData()
         for req_id, block_ids in new_block_ids.items():
+            req = self.requests[req_id]
             cached.req_ids.append(req_id)
             cached.resumed_from_preemption.append(False)
             cached.new_block_ids.append(block_ids)
-            cached.num_computed_tokens.append(self.requests[req_id].num_computed_tokens)
+            cached.num_computed_tokens.append(req.num_computed_tokens)
+            if cfg.send_token_ids:
+                start = req.num_computed_tokens
+                cached.new_token_ids.append(req.all_token_ids[start : start + num_scheduled[req_id]])
         new_reqs: list[NewRequestData] = []
         if not preempted:
             self._schedule_waiting(budget, num_scheduled, new_reqs, cached)
 
         for req_id, n in num_scheduled.items():
             self.requests[req_id].num_computed_tokens += n
+        self.in_flight.update(num_scheduled)
         out = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached,
@@ -314,6 +330,8 @@ class Scheduler:
                 cached.resumed_from_preemption.append(True)
                 cached.new_block_ids.append(block_ids)
                 cached.num_computed_tokens.append(num_hit_tokens)
+                if cfg.send_token_ids:
+                    cached.new_token_ids.append(req.all_token_ids[num_hit_tokens : num_hit_tokens + num_new])
             else:
                 new_reqs.append(
                     NewRequestData(
@@ -355,11 +373,15 @@ class Scheduler:
 
         return names(self.running), names(self.waiting)
 
-    def _pick_victim(self) -> Request:
-        """The lowest-priority (highest value, latest) request, or the latest under FCFS."""
+    def _pick_victim(self) -> Request | None:
+        """The lowest-priority (highest value, latest) request, or the latest under FCFS, of
+        those not in flight; None when all are."""
+        candidates = [r for r in self.running if r.request_id not in self.in_flight]
+        if not candidates:
+            return None
         if self.config.policy == "priority":
-            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
-        return self.running[-1]
+            return max(candidates, key=lambda r: (r.priority, r.arrival_time))
+        return candidates[-1]
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
@@ -383,6 +405,7 @@ class Scheduler:
         roll rejected drafts back, check stop conditions (a stop inside an accepted run ends
         the request there), free what finished, and keep each request's new drafts. Then take
         in what the KV connector's workers finished sending and receiving."""
+        self.in_flight.difference_update(scheduler_output.num_scheduled_tokens)
         outputs, self.load_failures = self.load_failures, []
         for req_id in scheduler_output.num_scheduled_tokens:
             req = self.requests.get(req_id)
@@ -460,6 +483,7 @@ class Scheduler:
         received go out again with the next step. Returns the failed request ids: all of the
         step's, those it finished before raising included, whose outputs were lost."""
         self.finished_req_ids |= scheduler_output.finished_req_ids
+        self.in_flight.difference_update(scheduler_output.num_scheduled_tokens)
         failed = [*scheduler_output.num_scheduled_tokens, *scheduler_output.preempted_req_ids]
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
             req = self.requests.get(req_id)

@@ -33,6 +33,9 @@ class CachedRequestData:
     resumed_from_preemption: list[bool] = field(default_factory=list)
     new_block_ids: list[list[int]] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
+    new_token_ids: list[list[int]] = field(default_factory=list)
+    """The token ids each runs this step (its ``num_scheduled_tokens`` from
+    ``num_computed_tokens`` on), with ``SchedulerConfig.send_token_ids``; else empty."""
 
 
 @dataclass

@@ -1,10 +1,16 @@
-"""The engine core: KV-cache sizing, then ``step()`` = schedule, execute, update."""
+"""The engine core: KV-cache sizing, then ``step()`` = schedule, execute, update.
+
+Under pipeline parallelism the core keeps up to ``executor.max_concurrent_batches`` steps in
+flight (vLLM V1's batch queue): it schedules and sends steps while the queue has room and
+there is work, and otherwise waits for the oldest step and updates from it, so every stage
+works on some step at once. The scheduler never puts a request into two steps in flight."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from tokenmill import envs
@@ -29,6 +35,11 @@ GRAMMAR_WAIT_S = 0.05
 
 KV_TRANSFER_POLL_S = 0.005
 """How long a step that ran no token waits before the next asks the KV connector again."""
+
+
+def _has_work(out: SchedulerOutput) -> bool:
+    """Whether a step has anything for the workers: tokens to run or requests to drop."""
+    return bool(out.total_num_scheduled_tokens or out.finished_req_ids or out.preempted_req_ids)
 
 
 def format_bytes(n: int) -> str:
@@ -89,6 +100,7 @@ class EngineCore:
                 num_lookahead_tokens=self.executor.worker_info.num_lookahead_tokens,
                 disable_by_batch_size=spec.disable_by_batch_size if spec else 0,
                 max_loras=config.max_loras if config.enable_lora else 0,
+                send_token_ids=config.pipeline_parallel_size > 1,
             ),
             self.kv_cache_manager,
             create_kv_connector(
@@ -102,6 +114,11 @@ class EngineCore:
         """The requests the latest step that raised finished with an error; None when it
         raised before it had scheduled, so which requests it concerned is unknown."""
         self.num_requests_received = 0
+        self.batch_queue: deque[tuple[concurrent.futures.Future, SchedulerOutput, float]] | None = None
+        """Steps sent and not yet updated from (future, output, start), oldest first; None
+        when the executor runs one step at a time."""
+        if self.executor.max_concurrent_batches > 1:
+            self.batch_queue = deque()
 
     def _init_kv_cache(self) -> None:
         """Size the KV cache by the smallest rank's budget (lowering ``max_model_len`` when
@@ -130,7 +147,7 @@ class EngineCore:
             config.platform_cls.name,
             info.attention,
             config.executor_backend,
-            config.tensor_parallel_size,
+            config.world_size,
             num_blocks,
             config.block_size,
             format_bytes(kv_bytes),
@@ -191,6 +208,7 @@ class EngineCore:
             self.scheduler.has_unfinished_requests()
             or bool(self.waiting_for_fsm)
             or self.scheduler.has_held_blocks()
+            or bool(self.batch_queue)
         )
 
     def step(self) -> EngineCoreOutputs:
@@ -198,6 +216,8 @@ class EngineCore:
         requests are failed (see ``Scheduler.fail_step``; their ids in ``failed_req_ids``)
         before the exception propagates; the caller reports them. The other requests the core
         holds are untouched. If scheduling itself raised, ``failed_req_ids`` is None."""
+        if self.batch_queue is not None:
+            return self._step_with_batch_queue(self.batch_queue)
         self.failed_req_ids = None
         failed = self._admit_compiled()
         if not (self.scheduler.has_unfinished_requests() or self.scheduler.has_held_blocks()):
@@ -231,6 +251,68 @@ class EngineCore:
             num_scheduled_tokens=scheduler_output.total_num_scheduled_tokens,
             kv_events=self.kv_cache_manager.pool.take_events(),
         )
+
+    def _step_with_batch_queue(
+        self, queue: deque[tuple[concurrent.futures.Future, SchedulerOutput, float]]
+    ) -> EngineCoreOutputs:
+        """vLLM's ``step_with_batch_queue``: schedule a step and send it without waiting while
+        the queue has room; when it is full, or nothing more can be scheduled, wait for the
+        oldest step and update from it. A step that raises fails its requests and those of
+        every step still in flight (the ranks no longer agree)."""
+        self.failed_req_ids = None
+        failed = self._admit_compiled()
+        scheduled: SchedulerOutput | None = None
+        start = time.monotonic()
+        if len(queue) < self.executor.max_concurrent_batches and self.scheduler.has_unfinished_requests():
+            scheduler_output = self.scheduler.schedule()
+            if _has_work(scheduler_output):
+                try:
+                    self._add_grammar_bitmask(scheduler_output)
+                    future = self.executor.execute_model(scheduler_output, non_block=True)
+                except Exception:
+                    self.failed_req_ids = [o.req_id for o in failed] + self._fail_queue(queue, scheduler_output)
+                    raise
+                queue.append((future, scheduler_output, start))
+                scheduled = scheduler_output
+        result = EngineCoreOutputs(failed, timestamp=start)
+        if scheduled is not None:
+            result.scheduled_req_ids = list(scheduled.num_scheduled_tokens)
+            result.num_scheduled_tokens = scheduled.total_num_scheduled_tokens
+            if len(queue) < self.executor.max_concurrent_batches:
+                return result
+        if not queue:
+            result.kv_events = self.kv_cache_manager.pool.take_events()
+            return result
+        future, scheduler_output, _ = queue.popleft()
+        try:
+            model_output = future.result()
+            outputs = self.scheduler.update_from_output(
+                scheduler_output,
+                model_output.sampled_token_ids,
+                model_output.logprobs,
+                model_output.prompt_logprobs,
+                model_output.spec_token_ids,
+                model_output.kv_connector_output,
+            )
+            self._advance_grammars(outputs)
+            self._validate_drafts(model_output.spec_token_ids)
+        except Exception:
+            self.failed_req_ids = [o.req_id for o in failed] + self._fail_queue(queue, scheduler_output)
+            raise
+        result.outputs += outputs
+        result.kv_events = self.kv_cache_manager.pool.take_events()
+        return result
+
+    def _fail_queue(
+        self,
+        queue: deque[tuple[concurrent.futures.Future, SchedulerOutput, float]],
+        scheduler_output: SchedulerOutput,
+    ) -> list[str]:
+        """Fail ``scheduler_output``'s step and every step still queued; their request ids."""
+        failed = self.scheduler.fail_step(scheduler_output)
+        while queue:
+            failed += self.scheduler.fail_step(queue.popleft()[1])
+        return failed
 
     def _admit_compiled(self) -> list[EngineCoreOutput]:
         """Hand requests whose constraint compiled to the scheduler (waiting a moment when

@@ -37,6 +37,8 @@ class BuildContext:
     """The platform's op table (``Platform.get_ops()``): op name -> replacement forward."""
     calculate_kv_scales: bool = False
     """Attention layers set their FP8 KV-cache scales from their first step's keys and values."""
+    enable_expert_parallel: bool = False
+    """MoE layers shard their experts over the tensor-parallel ranks instead of slicing them."""
 
     def attention_backend(
         self,

@@ -107,7 +107,7 @@ class DecodeGraphRunner:
     ) -> DecodeGraphRunner | None:
         """The platform's runner (``Platform.decode_graph_runner``) with its sizes captured, or
         None where graphs don't apply: no runner on this platform, ``enforce_eager``,
-        ``enable_lora`` (the slot mapping is set outside the recorded calls),
+        ``enable_lora`` (the slot mapping is set outside the recorded calls), pipeline parallelism,
         ``calculate_kv_scales`` (a capture's dummy batch would be the step the scales come
         from), a backend whose builder cannot be captured, or a runner that captured nothing."""
         if config.max_model_len is None:
@@ -117,6 +117,9 @@ class DecodeGraphRunner:
             return None
         if config.enable_lora:
             logger.info("decode graphs off: LoRA layers change their inputs every step")
+            return None
+        if config.pipeline_parallel_size > 1:
+            logger.info("decode graphs off: pipeline stages exchange activations between steps")
             return None
         if config.calculate_kv_scales:
             logger.info("decode graphs off: calculate_kv_scales takes the scales from the first real step")

@@ -13,6 +13,7 @@ from tokenmill.interfaces.attention import AttentionConfig
 if TYPE_CHECKING:
     from tokenmill.config import EngineConfig
     from tokenmill.interfaces.decode_graph import DecodeGraphRunner
+    from tokenmill.distributed.device_communicator import DeviceCommunicator
 
 
 OP_NAMES = (
@@ -56,6 +57,16 @@ class Platform:
     @classmethod
     def is_available(cls) -> bool:
         return False
+
+    @classmethod
+    def get_device_communicator_cls(cls) -> type[DeviceCommunicator]:
+        """The collectives of this platform's process groups (tensor-parallel all-reduce and
+        all-gather, pipeline send/recv, expert-parallel dispatch/combine): the base
+        :class:`~tokenmill.distributed.device_communicator.DeviceCommunicator` runs them all
+        through ``torch.distributed`` on ``dist_backend``."""
+        from tokenmill.distributed.device_communicator import DeviceCommunicator
+
+        return DeviceCommunicator
 
     @classmethod
     def is_auto_selectable(cls) -> bool:

@@ -12,6 +12,13 @@ The computation is the layer's ``moe_method``: the quantization method's (its
 op (the CPU's packs each expert for oneDNN; CUDA's runs the Triton fused-MoE kernel, one launch
 per GEMM), else :class:`UnquantizedFusedMoEMethod`: the (token, expert) pairs are sorted by
 expert and each expert that received tokens runs one pair of GEMMs on contiguous rows.
+
+With expert parallelism (``BuildContext.enable_expert_parallel``) the tensor-parallel ranks
+hold whole experts instead of slices: rank ``r`` the ``num_experts / ep_size`` experts the
+placement map ``expert_placement`` gives it (a contiguous run). Each rank takes its share of
+the step's tokens, the device communicator's ``dispatch`` sends each (token, expert) pair to
+its expert's rank, the rank runs its experts, and ``combine`` brings the weighted outputs home;
+one all-reduce then assembles every rank's tokens with the shared experts' partial sums.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from torch import nn
 from tokenmill.distributed.parallel_state import (
     get_tensor_model_parallel_rank,
     get_tensor_model_parallel_world_size,
+    get_tp_communicator,
     tensor_model_parallel_all_reduce,
 )
 from tokenmill.interfaces.quantization import FusedMoEMethod
@@ -157,7 +165,7 @@ class UnquantizedFusedMoEMethod:
     ) -> torch.Tensor:
         """The routed experts' weighted sum for each token: [T, H] in, [T, H] out."""
         return run_experts_sorted(
-            hidden_states, topk_weights, topk_ids, layer.num_experts,
+            hidden_states, topk_weights, topk_ids, layer.num_local_experts,
             self.expert_mlp(layer, hidden_states),
         )
 
@@ -194,6 +202,20 @@ class FusedMoE(nn.Module):
         super().__init__()
         self.tp_size = get_tensor_model_parallel_world_size()
         self.tp_rank = get_tensor_model_parallel_rank()
+        self.ep_size = self.tp_size if current_build_context().enable_expert_parallel else 1
+        self.ep_rank = self.tp_rank if self.ep_size > 1 else 0
+        if num_experts % self.ep_size:
+            raise ValueError(
+                f"{prefix}: {num_experts} experts are not divisible by the expert-parallel size "
+                f"{self.ep_size} (enable_expert_parallel with tensor_parallel_size={self.tp_size})"
+            )
+        if self.ep_size > 1:
+            self.tp_size, self.tp_rank = 1, 0  # whole experts: no slice of the intermediate
+        self.num_local_experts = num_experts // self.ep_size
+        self.expert_placement = torch.arange(num_experts) // self.num_local_experts
+        """Which expert-parallel rank holds each expert."""
+        self.expert_local_index = torch.arange(num_experts) % self.num_local_experts
+        """Each expert's index among its rank's experts (the rows of ``w13_weight``)."""
         if intermediate_size % self.tp_size:
             raise ValueError(
                 f"{prefix}: intermediate size {intermediate_size} is not divisible by "
@@ -224,10 +246,10 @@ class FusedMoE(nn.Module):
         self.moe_method = self._moe_method(prefix)
         inter = self.intermediate_size_per_partition
         self.w13_weight = nn.Parameter(
-            torch.empty(num_experts, 2 * inter, hidden_size), requires_grad=False
+            torch.empty(self.num_local_experts, 2 * inter, hidden_size), requires_grad=False
         )
         self.w2_weight = nn.Parameter(
-            torch.empty(num_experts, hidden_size, inter), requires_grad=False
+            torch.empty(self.num_local_experts, hidden_size, inter), requires_grad=False
         )
         for param in (self.w13_weight, self.w2_weight):
             param.weight_loader = self.weight_loader
@@ -268,7 +290,12 @@ class FusedMoE(nn.Module):
         self, param: nn.Parameter, loaded_weight: torch.Tensor, expert_id: int, shard_id: str
     ) -> None:
         """Copy this rank's slice of expert ``expert_id``'s checkpoint projection: rows
-        of the gate (``w1``) and up (``w3``) projections, columns of down (``w2``)."""
+        of the gate (``w1``) and up (``w3``) projections, columns of down (``w2``); under
+        expert parallelism the whole projection of an expert this rank holds, nothing of the
+        others."""
+        if int(self.expert_placement[expert_id]) != self.ep_rank:
+            return
+        expert_id = int(self.expert_local_index[expert_id])
         inter = self.intermediate_size_per_partition
         if shard_id == "w2":
             dst = param.data[expert_id]
@@ -303,10 +330,42 @@ class FusedMoE(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = self.route(router_logits)
-        out = self.moe_method.apply(self, hidden_states, topk_weights, topk_ids)
+        if self.ep_size > 1:
+            out = self._expert_parallel(hidden_states, topk_weights, topk_ids)
+        else:
+            out = self.moe_method.apply(self, hidden_states, topk_weights, topk_ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(hidden_states)
         return tensor_model_parallel_all_reduce(out)
+
+    def _expert_parallel(
+        self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """The routed experts' output of this rank's share of the tokens (a run of
+        ``ceil(T / ep_size)``), zero elsewhere: every rank holds all tokens (tensor
+        parallelism), so the caller's all-reduce assembles them."""
+        comm = get_tp_communicator()
+        num_tokens = hidden_states.shape[0]
+        share = -(-num_tokens // self.ep_size)
+        start = min(self.ep_rank * share, num_tokens)
+        end = min(start + share, num_tokens)
+        pad = share - (end - start)
+        mine = F.pad(hidden_states[start:end], (0, 0, 0, pad))
+        ids = F.pad(topk_ids[start:end], (0, 0, 0, pad))
+        weights = F.pad(topk_weights[start:end], (0, 0, 0, pad))
+        dispatched = comm.dispatch(mine, weights, ids, self.expert_placement, self.expert_local_index)
+        expert_out = dispatched.hidden_states
+        if len(expert_out):
+            expert_out = self.moe_method.apply(
+                self,
+                expert_out,
+                dispatched.weights.unsqueeze(1),
+                dispatched.local_expert_ids.unsqueeze(1),
+            )
+        routed = comm.combine(expert_out, dispatched)
+        out = hidden_states.new_zeros(hidden_states.shape)
+        out[start:end] = routed[: end - start]
+        return out
 
     def extra_repr(self) -> str:
         return (

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 from tokenmill.config import EngineConfig
@@ -23,8 +24,9 @@ class ExecutorDeadError(RuntimeError):
 
 
 class Executor:
-    """What the engine core asks of its workers. ``worker_info`` describes rank 0's model;
-    every call goes to all ranks, and the results are rank 0's."""
+    """What the engine core asks of its workers. ``worker_info`` describes the model of the
+    rank that samples (rank 0, the last stage's first under pipeline parallelism); every call
+    goes to all ranks, and the results are rank 0's (the sampling rank's for a step)."""
 
     worker_info: WorkerInfo
 
@@ -56,9 +58,23 @@ class Executor:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         raise NotImplementedError
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step on every rank; rank 0's sampled tokens come back. Raises
-        ``ExecutorDeadError`` when a rank died or failed."""
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, non_block: bool = False
+    ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
+        """Run one step on every rank; the sampled tokens come back (with ``non_block``, a
+        future of them, returned at once). Raises ``ExecutorDeadError`` when a rank died or
+        failed."""
+        raise NotImplementedError
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        """How many steps the engine core may keep in flight (``non_block``): the pipeline
+        stages under pipeline parallelism, else 1."""
+        return 1
+
+    def step_intervals(self) -> list[list[tuple[float, float]]]:
+        """Per rank, rank 0 first: when it was busy with its latest steps (monotonic clock,
+        comparable between the processes of one machine)."""
         raise NotImplementedError
 
     def shutdown(self) -> None:
@@ -83,8 +99,18 @@ class UniProcExecutor(Executor):
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.worker.initialize_kv_cache(num_blocks)
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.worker.execute_model(scheduler_output)
+    def step_intervals(self) -> list[list[tuple[float, float]]]:
+        return [self.worker.step_intervals()]
+
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, non_block: bool = False
+    ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
+        output = self.worker.execute_model(scheduler_output)
+        if not non_block:
+            return output
+        future: Future[ModelRunnerOutput] = Future()
+        future.set_result(output)
+        return future
 
 
 class DistributedExecutor(Executor):
@@ -109,6 +135,9 @@ class DistributedExecutor(Executor):
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self._call_all("initialize_kv_cache", num_blocks)
+
+    def step_intervals(self) -> list[list[tuple[float, float]]]:
+        return self._call_all("step_intervals")
 
     def _call(self, method: str, *args: Any) -> Any:
         return self._call_all(method, *args)[0]

@@ -10,10 +10,18 @@ decoding a request's scheduled tokens end with its ``k`` drafts: its last ``k + 
 are sampled (position ``j`` with the request's history plus its first ``j`` drafts), the drafts
 are accepted while they equal the sampled tokens, the rejected ones roll
 ``num_computed_tokens`` back, and the proposer drafts the next ones (:meth:`ModelRunner._propose`).
+
+Under pipeline parallelism a stage after the first receives the previous stage's residual
+stream instead of embedding the tokens, a stage before the last sends its own to the next and
+returns no tokens; only the last stage samples (and drafts, with speculative decoding), and
+the others learn the sampled tokens from the scheduler (``CachedRequestData.new_token_ids``)
+and the drafts from ``scheduled_spec_decode_tokens``.
 """
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -23,6 +31,12 @@ from torch import nn
 from tokenmill.config import EngineConfig
 from tokenmill.config_resolver import quantization_method
 from tokenmill.core.scheduler_output import SchedulerOutput
+from tokenmill.distributed.parallel_state import (
+    is_first_pp_rank,
+    is_last_pp_rank,
+    pp_recv,
+    pp_send,
+)
 from tokenmill.forward_context import set_forward_context
 from tokenmill.interfaces.attention import CommonAttentionMetadata
 from tokenmill.interfaces.kv_cache_spec import KVCacheSpec
@@ -33,6 +47,7 @@ from tokenmill.layers.attention import Attention
 from tokenmill.layers.build_context import BuildContext, model_build_context
 from tokenmill.lora.manager import LoRAManager
 from tokenmill.layers.mla_attention import MLAAttention
+from tokenmill.layers.pipeline import IntermediateTensors
 from tokenmill.logprobs import LogprobsLists
 from tokenmill.model_loader.loader import load_model
 from tokenmill.sample.rejection_sampler import Drafts, num_accepted
@@ -55,6 +70,9 @@ from tokenmill.layers.attention_groups import (
 )
 from tokenmill.worker.input_batch import CachedRequestState, InputBatch
 from tokenmill.worker.prompt_logprobs import PromptChunk, PromptLogprobs
+
+
+STEP_INTERVALS_KEPT = 4096
 
 
 @dataclass
@@ -112,10 +130,15 @@ class ModelRunner:
         self._step_metadata: CommonAttentionMetadata | None = None
         """The latest step's backend-independent attention metadata (what a KV connector's
         ``save_kv_layer`` gets)."""
+        self.step_intervals: deque[tuple[float, float]] = deque(maxlen=STEP_INTERVALS_KEPT)
+        """``(start, end)`` (``time.monotonic``) of the latest steps that ran tokens, from
+        after the previous stage's activations arrived to the end of the step: when this
+        rank was busy."""
+        self._busy_since = 0.0
         self.draft_probs: dict[str, torch.Tensor] = {}
         """``[k, V]`` draft distributions of the drafts proposed after the last step, per
         request, from a proposer that gives them; the next step's sampling consumes them."""
-        if config.speculative is not None:
+        if config.speculative is not None and is_last_pp_rank():
             from tokenmill import plugins
 
             proposer_cls = plugins.get_registry("proposers").choose(config.speculative.method)
@@ -128,6 +151,7 @@ class ModelRunner:
             quantization_method(self.config),
             self.config.platform_cls.get_ops(),
             self.config.calculate_kv_scales,
+            self.config.enable_expert_parallel,
         )
         self.model = load_model(self.config.weights_path, self.config.hf_config, ctx, self.device)
         if self.config.enable_lora:
@@ -239,6 +263,13 @@ class ModelRunner:
             state = batch.requests[req_id]
             batch.append_blocks(state.row, block_ids)
             batch.num_computed_tokens[state.row] = num_computed
+        for req_id, num_computed, token_ids in zip(
+            cached.req_ids, cached.num_computed_tokens, cached.new_token_ids
+        ):
+            row = batch.requests[req_id].row
+            end = num_computed + len(token_ids)
+            batch.token_ids[row, num_computed:end] = token_ids
+            batch.num_tokens[row] = max(batch.num_tokens[row], end)
         for req_id, drafts in out.scheduled_spec_decode_tokens.items():
             row = batch.requests[req_id].row
             start = batch.num_tokens[row]
@@ -283,8 +314,15 @@ class ModelRunner:
         input_ids, positions, common, cu = self._flatten(rows, num_computed, num_new)
         return FlatInputs(input_ids, positions, common, self._tensor(cu - 1, torch.int64))
 
-    @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        self._busy_since = time.monotonic()
+        result = self._execute_model(out)
+        if out.total_num_scheduled_tokens:
+            self.step_intervals.append((self._busy_since, time.monotonic()))
+        return result
+
+    @torch.inference_mode()
+    def _execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """One step. With a KV connector, the step's loads land in the cache before the
         forward pass and its saves start after it (per step: every layer's
         ``wait_for_layer_load`` before the forward, every layer's ``save_kv_layer`` after it,
@@ -328,8 +366,17 @@ class ModelRunner:
         hidden = self.graphs.run(input_ids_t, positions_t, common) if self.graphs else None
         if hidden is None:
             attn_metadata = self.metadata_builder.build(common)
+            kwargs = {}
+            if not is_first_pp_rank():
+                shape = (2, len(input_ids_t), self.config.hf_config.hidden_size)
+                packed = pp_recv(shape, self.config.torch_dtype)
+                self._busy_since = time.monotonic()
+                kwargs["intermediate_tensors"] = IntermediateTensors.unpack(packed)
             with set_forward_context(attn_metadata):
-                hidden = self.model(input_ids_t, positions_t)
+                hidden = self.model(input_ids_t, positions_t, **kwargs)
+        if isinstance(hidden, IntermediateTensors):
+            pp_send(hidden.pack())
+            return ModelRunnerOutput({})
         aux_hidden = None
         if isinstance(hidden, tuple):
             hidden, aux_hidden = hidden

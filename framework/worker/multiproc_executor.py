@@ -1,10 +1,13 @@
 """``MultiprocExecutor`` (``distributed_executor_backend="mp"``): one worker process per
-tensor-parallel rank on this machine, as vLLM V1's.
+rank (``tensor_parallel_size * pipeline_parallel_size``) on this machine, as vLLM V1's.
 
 Each call is pickled once and pushed to every rank over its own ZMQ ``ipc://`` socket (one
 message per rank and step: the scheduler output is small next to a forward pass); every rank
 answers on one shared socket, rank 0 with the sampled tokens and the others with an
-acknowledgement. The ranks meet for ``torch.distributed`` (the platform's ``dist_backend``:
+acknowledgement (under pipeline parallelism the last stage's first rank sends the tokens).
+A step sent with ``non_block`` returns a future at once, so the engine core can send the next
+step while the stages still work on this one (the batch queue); each rank answers its calls
+in order, and a future's result is its step's answers. The ranks meet for ``torch.distributed`` (the platform's ``dist_backend``:
 gloo on the CPU, NCCL on GPUs) at a TCP port of this machine.
 
 Workers are started with ``python -m tokenmill.worker.multiproc_executor`` (so an engine-core
@@ -27,11 +30,13 @@ import threading
 import time
 import traceback
 import weakref
+from collections import deque
+from concurrent.futures import Future
 from typing import Any
 
 import zmq
 
-from tokenmill import plugins
+from tokenmill import envs, plugins
 from tokenmill.config import EngineConfig
 from tokenmill.core.scheduler_output import SchedulerOutput
 from tokenmill.worker.executor import DistributedExecutor, ExecutorDeadError
@@ -60,7 +65,16 @@ def describe_exit(code: int) -> str:
 
 class MultiprocExecutor(DistributedExecutor):
     def __init__(self, config: EngineConfig) -> None:
-        self.world_size = config.tensor_parallel_size
+        self.world_size = config.world_size
+        self.tp_size = config.tensor_parallel_size
+        self.output_rank = output_rank(config)
+        self._early: list[deque[tuple[bool, Any]]] = [deque() for _ in range(self.world_size)]
+        """Answers of a rank to calls after the one being gathered (a faster stage's)."""
+        self._pending: deque[tuple[str, Future]] = deque()
+        """Steps sent whose answers are not gathered yet, oldest first."""
+        self._max_concurrent_batches = (
+            config.pipeline_parallel_size if envs.TOKENMILL_PP_BATCH_QUEUE else 1
+        )
         self._dir = tempfile.mkdtemp(prefix="tokenmill-workers-")
         self._context = zmq.Context()
         reply_address = f"ipc://{os.path.join(self._dir, 'replies')}"
@@ -87,13 +101,36 @@ class MultiprocExecutor(DistributedExecutor):
             for rank, sock in enumerate(self._requests):
                 sock.send(pickle.dumps((config, rank, init_method, registrations)))
             self._gather("startup")
-            self.worker_info = self._call("describe")
+            self.worker_info = self._call_all("describe")[self.output_rank]
         except BaseException:
             self.shutdown()
             raise
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self._call("execute_model", scheduler_output)
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, non_block: bool = False
+    ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
+        if self._dead is not None:
+            raise ExecutorDeadError(self._dead)
+        self._send("execute_model", (scheduler_output,))
+        future = _StepFuture(self)
+        self._pending.append(("execute_model", future))
+        return future if non_block else future.result()
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        return self._max_concurrent_batches
+
+    def _gather_pending(self) -> None:
+        method, future = self._pending[0]
+        try:
+            results = self._gather(method)
+        except BaseException as e:
+            for _, f in self._pending:
+                f.set_exception(e)
+            self._pending.clear()
+            raise
+        self._pending.popleft()
+        future.set_result(results[self.output_rank])
 
     def shutdown(self) -> None:
         """Let the ranks leave their process group together, and only then exit (a gloo rank
@@ -113,38 +150,81 @@ class MultiprocExecutor(DistributedExecutor):
         self._finalizer()
 
     def _run_all(self, method: str, args: tuple[Any, ...]) -> list[Any]:
+        while self._pending:
+            self._gather_pending()
+        self._send(method, args)
+        return self._gather(method)
+
+    def _send(self, method: str, args: tuple[Any, ...]) -> None:
         message = pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)
         for sock in self._requests:
             sock.send(message, copy=False)
-        return self._gather(method)
 
     def _gather(self, method: str) -> list[Any]:
+        """Every rank's answer to its oldest unanswered call."""
         results: list[Any] = [None] * self.world_size
         pending = set(range(self.world_size))
+        for rank in range(self.world_size):
+            if self._early[rank]:
+                self._take(method, rank, *self._early[rank].popleft(), results, pending)
         while pending:
             if not self._replies.poll(int(POLL_INTERVAL_S * 1000)):
                 self._check_alive(method)
                 continue
             rank, ok, value = pickle.loads(self._replies.recv())
-            if not ok:
-                # A rank that died makes the others' collectives fail: report the death.
-                deadline = time.monotonic() + DEATH_GRACE_S
-                while time.monotonic() < deadline:
-                    self._check_alive(method, but=rank)
-                    time.sleep(POLL_INTERVAL_S / 10)
-                self._fail(f"tensor-parallel worker rank {rank} failed in {method}:\n{value}")
-            results[rank] = value
-            pending.discard(rank)
+            if rank in pending:
+                self._take(method, rank, ok, value, results, pending)
+            else:
+                self._early[rank].append((ok, value))
         return results
+
+    def _take(
+        self, method: str, rank: int, ok: bool, value: Any, results: list[Any], pending: set[int]
+    ) -> None:
+        if not ok:
+            # A rank that died makes the others' collectives fail: report the death.
+            deadline = time.monotonic() + DEATH_GRACE_S
+            while time.monotonic() < deadline:
+                self._check_alive(method, but=rank)
+                time.sleep(POLL_INTERVAL_S / 10)
+            self._fail(f"{self.rank_name(rank)} failed in {method}:\n{value}")
+        results[rank] = value
+        pending.discard(rank)
+
+    def rank_name(self, rank: int) -> str:
+        """How errors name worker ``rank``: its stage too under pipeline parallelism."""
+        if self.world_size == self.tp_size:
+            return f"tensor-parallel worker rank {rank}"
+        stage, tp_rank = divmod(rank, self.tp_size)
+        return f"worker rank {rank} (pipeline stage {stage}, tensor-parallel rank {tp_rank})"
 
     def _check_alive(self, method: str, but: int | None = None) -> None:
         """Fail if a worker (other than rank ``but``) has exited."""
         for rank, proc in enumerate(self.workers):
             if rank != but and proc.poll() is not None:
                 self._fail(
-                    f"tensor-parallel worker rank {rank} (pid {proc.pid}) "
+                    f"{self.rank_name(rank)} (pid {proc.pid}) "
                     f"{describe_exit(proc.returncode)} during {method}"
                 )
+
+
+class _StepFuture(Future):
+    """A step's result: waiting for it gathers the answers of the steps sent before it too."""
+
+    def __init__(self, executor: MultiprocExecutor) -> None:
+        super().__init__()
+        self._executor = executor
+
+    def result(self, timeout: float | None = None) -> ModelRunnerOutput:
+        while not self.done():
+            self._executor._gather_pending()
+        return super().result(timeout)
+
+
+def output_rank(config: EngineConfig) -> int:
+    """The rank whose ``execute_model`` answer carries the step's tokens: the first rank of
+    the last pipeline stage."""
+    return config.tensor_parallel_size * (config.pipeline_parallel_size - 1)
 
 
 def _stop_workers(workers: list[subprocess.Popen], context: zmq.Context, ipc_dir: str) -> None:
@@ -177,6 +257,7 @@ def worker_main(request_address: str, reply_address: str) -> None:
     replies.setsockopt(zmq.SNDHWM, 0)
     replies.connect(reply_address)
     config, rank, init_method, registrations = pickle.loads(requests.recv())
+    sends_tokens = rank == output_rank(config)
 
     def reply(ok: bool, value: Any) -> None:
         replies.send(pickle.dumps((rank, ok, value), protocol=pickle.HIGHEST_PROTOCOL))
@@ -198,7 +279,7 @@ def worker_main(request_address: str, reply_address: str) -> None:
         except Exception:
             reply(False, traceback.format_exc())
             continue
-        reply(True, None if rank and method == "execute_model" else result)
+        reply(True, None if method == "execute_model" and not sends_tokens else result)
         if method == "shutdown":
             requests.poll(int(SHUTDOWN_TIMEOUT_S * 1000))  # EXIT: every rank has left the group
             break

@@ -1,5 +1,5 @@
 """A worker owns one device: it sets the process up for its platform (joining the
-tensor-parallel group when there are several ranks), holds the model runner and answers the
+tensor-parallel group and its pipeline stage when there are several ranks), holds the model runner and answers the
 executor's calls. The same class serves every executor: in the engine's process (``uni``), in
 a process per rank (``mp``) and as a Ray actor (``ray``)."""
 
@@ -45,7 +45,8 @@ def determine_num_blocks(config: EngineConfig, specs: dict[str, KVCacheSpec]) ->
 
 
 class Worker:
-    """Rank ``rank`` of ``config.tensor_parallel_size``; with more than one rank,
+    """Rank ``rank`` of ``config.world_size`` (stage ``rank // tensor_parallel_size``, TP rank
+    ``rank % tensor_parallel_size``); with more than one rank,
     ``distributed_init_method`` (``tcp://host:port``) is where the ranks meet. ``local_rank``
     is the device index on this node (default: after the devices of lower data-parallel
     ranks' workers)."""
@@ -64,12 +65,19 @@ class Worker:
         platform.set_num_threads(config)
         torch.manual_seed(config.seed)
         if local_rank is None:
-            local_rank = config.data_parallel_rank * config.tensor_parallel_size + rank
+            local_rank = config.data_parallel_rank * config.world_size + rank
         self.device = platform.device(local_rank)
-        if config.tensor_parallel_size > 1:
+        if config.world_size > 1:
             assert distributed_init_method is not None
             init_distributed_environment(
-                platform.dist_backend, distributed_init_method, rank, config.tensor_parallel_size
+                platform.dist_backend,
+                distributed_init_method,
+                rank,
+                config.world_size,
+                config.pipeline_parallel_size,
+                platform.get_device_communicator_cls(),
+                self.device,
+                config.all2all_backend,
             )
         self.model_runner = ModelRunner(config, self.device, rank)
 
@@ -98,7 +106,11 @@ class Worker:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(scheduler_output)
 
+    def step_intervals(self) -> list[tuple[float, float]]:
+        """When this rank was busy with its latest steps (``ModelRunner.step_intervals``)."""
+        return list(self.model_runner.step_intervals)
+
     def shutdown(self) -> None:
-        """Leave the tensor-parallel group (all ranks call it together)."""
-        if self.config.tensor_parallel_size > 1:
+        """Leave the process group (all ranks call it together)."""
+        if self.config.world_size > 1:
             destroy_distributed_environment()

@@ -135,3 +135,40 @@ def test_stop_conditions():
     _run_step(s)
     _run_step(s)
     assert r2.get_finished_reason() == "length"
+
+
+def test_requests_in_flight_are_neither_scheduled_again_nor_preempted():
+    """With a batch queue, a prompt whose first chunk is in flight waits for that step's
+    output, and preemption passes over in-flight requests; with ``send_token_ids`` the
+    cached requests carry the tokens they run."""
+    kv = KVCacheManager(8, BS, 32, enable_caching=False)
+    s = Scheduler(SchedulerConfig(8, 8, 32, send_token_ids=True), kv)
+    s.add_request(_req(1, 12))
+    first = s.schedule()
+    assert first.num_scheduled_tokens == {"1": 8} and s.in_flight == {"1"}
+    assert s.schedule().total_num_scheduled_tokens == 0
+    s.update_from_output(first, {})
+    assert not s.in_flight
+    second = s.schedule()
+    assert second.num_scheduled_tokens == {"1": 4}
+    assert second.scheduled_cached_reqs.new_token_ids == [list(range(1008, 1012))]
+    s.update_from_output(second, {"1": [5]})
+    third = s.schedule()
+    assert third.scheduled_cached_reqs.new_token_ids == [[5]]
+    s.update_from_output(third, {"1": [6]})
+
+
+def test_preemption_passes_over_requests_in_flight():
+    """Two steps in flight (1 and 2, then 3): when 1 needs a block, 2 is preempted, not the
+    later 3 whose step is still running."""
+    s = _sched(num_blocks=4, budget=8)
+    s.add_request(_req(1, 4))
+    s.add_request(_req(2, 4))
+    first = s.schedule()
+    s.add_request(_req(3, 8))
+    second = s.schedule()
+    assert list(first.num_scheduled_tokens) == ["1", "2"] and list(second.num_scheduled_tokens) == ["3"]
+    s.update_from_output(first, {"1": [5], "2": [5]})
+    third = s.schedule()
+    assert third.preempted_req_ids == {"2"} and third.num_scheduled_tokens == {"1": 1}
+    assert s.in_flight == {"1", "3"}

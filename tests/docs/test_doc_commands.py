@@ -60,6 +60,8 @@ NOT_RUN = {
     "done": "the end of the vllm loop",
     "tokenmill serve --tensor-parallel-size": "parsed only: 3 ranks take minutes on 2 cores; tests/worker/test_distributed.py runs tensor parallelism on tiny models",
     "tokenmill serve --data-parallel-size": "parsed only: tests/worker/test_distributed.py runs data parallelism on tiny models",
+    "tokenmill serve --pipeline-parallel-size": "parsed only: tests/worker/test_pipeline_parallel.py runs pipeline stages on tiny models and the default model",
+    "tokenmill serve --model /models/deepseek-v3": "parsed only: needs a DeepSeek-V3 checkpoint; tests/worker/test_pipeline_parallel.py runs expert parallelism on a tiny one",
     "tokenmill serve --model /models/my-model": "parsed only: needs a Ray cluster and a model at that path",
     "tokenmill serve --port 8000 --kv-cache-memory-bytes": "parsed only: the first line of the vllm example",
     "tokenmill serve --port 8000 &": "parsed only: the first line of the lm-eval example",

@@ -43,7 +43,10 @@ class FakeQuant(QuantizationMethod):
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"pipeline_parallel_size": 2}, r"pipeline parallelism is not implemented yet \(pipeline_parallel_size=2\)"),
+        (
+            {"pipeline_parallel_size": 2, "enable_lora": True},
+            r"pipeline parallelism with enable_lora is not implemented yet \(pipeline_parallel_size=2\)",
+        ),
     ],
 )
 def test_unimplemented_features_are_refused(tiny_dir, kwargs, message):
