@@ -38,6 +38,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from tokenmill.core.block_pool import KVCacheBlock
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.request_queue import make_queue
@@ -259,7 +260,8 @@ class Scheduler:
                 self.finished_recving.discard(req.request_id)
                 self.loading.discard(req.request_id)
                 req.status = RequestStatus.WAITING
-                hits, num_local, num_external, load_async = [], req.num_computed_tokens, 0, False
+                hits: list[KVCacheBlock] = []
+                num_local, num_external, load_async = req.num_computed_tokens, 0, False
                 resumed_load = True
             else:
                 hits, num_local = self.kv.get_computed_blocks(req)

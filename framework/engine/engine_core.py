@@ -27,6 +27,7 @@ from tokenmill.kv_connector_factory import create_kv_connector
 from tokenmill.structured_output import StructuredOutputManager
 from tokenmill.structured_output.request import StructuredOutputRequest
 from tokenmill.worker.executor import Executor
+from tokenmill.worker.model_runner import ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +115,7 @@ class EngineCore:
         """The requests the latest step that raised finished with an error; None when it
         raised before it had scheduled, so which requests it concerned is unknown."""
         self.num_requests_received = 0
-        self.batch_queue: deque[tuple[concurrent.futures.Future, SchedulerOutput, float]] | None = None
+        self.batch_queue: deque[tuple[concurrent.futures.Future[ModelRunnerOutput], SchedulerOutput, float]] | None = None
         """Steps sent and not yet updated from (future, output, start), oldest first; None
         when the executor runs one step at a time."""
         if self.executor.max_concurrent_batches > 1:
@@ -253,7 +254,7 @@ class EngineCore:
         )
 
     def _step_with_batch_queue(
-        self, queue: deque[tuple[concurrent.futures.Future, SchedulerOutput, float]]
+        self, queue: deque[tuple[concurrent.futures.Future[ModelRunnerOutput], SchedulerOutput, float]]
     ) -> EngineCoreOutputs:
         """vLLM's ``step_with_batch_queue``: schedule a step and send it without waiting while
         the queue has room; when it is full, or nothing more can be scheduled, wait for the
@@ -305,7 +306,7 @@ class EngineCore:
 
     def _fail_queue(
         self,
-        queue: deque[tuple[concurrent.futures.Future, SchedulerOutput, float]],
+        queue: deque[tuple[concurrent.futures.Future[ModelRunnerOutput], SchedulerOutput, float]],
         scheduler_output: SchedulerOutput,
     ) -> list[str]:
         """Fail ``scheduler_output``'s step and every step still queued; their request ids."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, Literal, overload
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.scheduler_output import SchedulerOutput
@@ -57,6 +57,16 @@ class Executor:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         raise NotImplementedError
+
+    @overload
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, non_block: Literal[False] = False
+    ) -> ModelRunnerOutput: ...
+
+    @overload
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, non_block: Literal[True]
+    ) -> Future[ModelRunnerOutput]: ...
 
     def execute_model(
         self, scheduler_output: SchedulerOutput, non_block: bool = False
