@@ -84,6 +84,28 @@ def default_model_dir() -> str:
     return default_model_path()
 
 
+@pytest.fixture(scope="session")
+def default_llm(default_model_dir):
+    """One in-process engine on the default model with 256 MiB of KV cache, shared by every
+    module that needs no other setting; each test leaves it idle."""
+    from tokenmill import LLM
+
+    return LLM(kv_cache_memory_bytes=256 << 20)
+
+
+@pytest.fixture(scope="session")
+def default_server():
+    """One ``tokenmill serve`` of the default model with the default flags plus
+    ``--enable-prompt-tokens-details`` (so usage shows cached tokens), shared by every module
+    that needs no other flags (a server takes tens of seconds to start on 2 cores); a test that
+    changes what a later test sees leaves it idle (``RemoteServer.wait_idle``)."""
+    from server.test_server import RemoteServer
+
+    srv = RemoteServer("--enable-prompt-tokens-details")
+    yield srv
+    srv.stop()
+
+
 EXAMPLE_SRC = Path(__file__).resolve().parents[1] / "plugins_example"
 
 

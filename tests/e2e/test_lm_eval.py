@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from server.test_server import MODEL, RemoteServer
+from server.test_server import MODEL
 
 TASKS_DIR = Path(__file__).parents[1] / "support" / "lm_eval_tasks"
 METRICS = {"tokenmill_mc": "acc,none", "tokenmill_gen": "exact_match,first_word"}
@@ -44,17 +44,13 @@ def run_lm_eval(model: str, model_args: str, output_path: Path, *args: str) -> t
 
 
 @pytest.mark.slow
-def test_lm_eval_scores_equal_hf(default_model_dir, tmp_path):
-    server = RemoteServer()
-    try:
-        ours, our_samples = run_lm_eval(
-            "local-completions",
-            f"base_url={server.url}/v1/completions,model={MODEL},num_concurrent=4,"
-            f"tokenizer_backend=huggingface,tokenizer={default_model_dir}",
-            tmp_path / "tokenmill",
-        )
-    finally:
-        server.stop()
+def test_lm_eval_scores_equal_hf(default_model_dir, default_server, tmp_path):
+    ours, our_samples = run_lm_eval(
+        "local-completions",
+        f"base_url={default_server.url}/v1/completions,model={MODEL},num_concurrent=4,"
+        f"tokenizer_backend=huggingface,tokenizer={default_model_dir}",
+        tmp_path / "tokenmill",
+    )
     ref, ref_samples = run_lm_eval(
         "hf", f"pretrained={default_model_dir},dtype=float32", tmp_path / "hf", "--device", "cpu"
     )

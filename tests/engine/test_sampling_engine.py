@@ -24,8 +24,8 @@ def tiny_with_tokenizer(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def smol(default_model_dir):
-    return LLM(kv_cache_memory_bytes=128 << 20)
+def smol(default_llm):
+    return default_llm
 
 
 PROMPT = {"prompt_token_ids": [5, 6, 7, 8, 9]}

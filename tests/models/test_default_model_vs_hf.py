@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import assert_greedy_close, hf_greedy
-from tokenmill import LLM, SamplingParams
+from tokenmill import SamplingParams
 
 PROMPTS = [
     "The capital of France is",
@@ -20,8 +20,8 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def llm(default_model_dir):
-    return LLM(kv_cache_memory_bytes=256 << 20)
+def llm(default_llm):
+    return default_llm
 
 
 def test_greedy_matches_hf(llm, hf_default_model, default_tokenizer):

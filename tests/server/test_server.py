@@ -136,10 +136,8 @@ def assert_openai_error(response: httpx.Response, status: int, param: str | None
 
 
 @pytest.fixture(scope="module")
-def server():
-    srv = RemoteServer("--enable-prompt-tokens-details")
-    yield srv
-    srv.stop()
+def server(default_server):
+    return default_server
 
 
 @pytest.fixture(scope="module")

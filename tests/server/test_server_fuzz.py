@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from server.test_server import MODEL, RemoteServer
+from server.test_server import MODEL
 
 schemathesis = pytest.importorskip("schemathesis")
 hypothesis = pytest.importorskip("hypothesis")
@@ -18,10 +18,8 @@ MAX_TOKENS = 2
 
 
 @pytest.fixture(scope="module")
-def server():
-    srv = RemoteServer()
-    yield srv
-    srv.stop()
+def server(default_server):
+    return default_server
 
 
 def adjust(case) -> None:

@@ -18,10 +18,8 @@ openai = pytest.importorskip("openai")
 
 
 @pytest.fixture(scope="module")
-def server():
-    srv = RemoteServer()
-    yield srv
-    srv.stop()
+def server(default_server):
+    return default_server
 
 
 def post(server: RemoteServer, path: str, body: dict, timeout: float = 60) -> httpx.Response:

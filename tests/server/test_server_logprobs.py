@@ -6,16 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from server.test_server import MODEL, RemoteServer, assert_openai_error
+from server.test_server import MODEL, assert_openai_error
 
 PROMPT = "The capital of France is Paris, and the capital of Italy is"
 
 
 @pytest.fixture(scope="module")
-def server():
-    srv = RemoteServer()
-    yield srv
-    srv.stop()
+def server(default_server):
+    return default_server
 
 
 @pytest.fixture(scope="module")

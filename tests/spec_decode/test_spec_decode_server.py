@@ -15,7 +15,11 @@ SPECS = {
 PROMPT = "Copy this list: red, green, blue, red, green, blue, red, green, blue, red, green,"
 
 
-@pytest.fixture(scope="module", params=list(SPECS))
+# The server runs every method through the same code: `make test` serves ngram; the shipped
+# EAGLE-3 head's outputs are checked in process (test_spec_decode.py), its server under slow.
+@pytest.fixture(
+    scope="module", params=["ngram", pytest.param("eagle3", marks=pytest.mark.slow)]
+)
 def server(request):
     srv = RemoteServer("--speculative-config", json.dumps(SPECS[request.param]))
     srv.method = request.param
@@ -38,9 +42,8 @@ def test_streaming_equals_non_streaming_and_drafts_are_counted(server):
     assert m["tokenmill:spec_decode_num_accepted_tokens_per_pos_total"] == m["tokenmill:spec_decode_num_accepted_tokens_total"]
 
 
-def test_same_text_as_without_speculation(server, default_model_dir):
-    from tokenmill import LLM, SamplingParams
+def test_same_text_as_without_speculation(server, default_llm):
+    from tokenmill import SamplingParams
 
     text = server.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0).choices[0].text
-    llm = LLM(kv_cache_memory_bytes=2**27)
-    assert llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0].outputs[0].text == text
+    assert default_llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0].outputs[0].text == text

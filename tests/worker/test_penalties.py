@@ -134,8 +134,8 @@ def test_token_ids_outside_the_vocab_are_refused(tiny):
             tiny.generate({"prompt_token_ids": PROMPT}, SamplingParams(**kwargs), use_tqdm=False)
 
 
-def test_greedy_under_repetition_penalty_matches_hf(default_model_dir, hf_default_model, default_tokenizer):
-    llm = LLM(kv_cache_memory_bytes=128 << 20)
+def test_greedy_under_repetition_penalty_matches_hf(default_llm, hf_default_model, default_tokenizer):
+    llm = default_llm
     prompts = ["The capital of France is", "Once upon a time,", "def fibonacci(n):"]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, repetition_penalty=1.3)
     outputs = llm.generate(prompts, params, use_tqdm=False)
