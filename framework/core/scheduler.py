@@ -108,6 +108,9 @@ class Scheduler:
         self.load_failures: list[EngineCoreOutput] = []
         """Requests the connector failed (``KVLoadError``) while scheduling, reported with the
         step's outputs."""
+        self.loaded_in_step: dict[str, int] = {}
+        """Requests admitted in the latest step with tokens a connector loads in it -> their
+        computed tokens without those (a failed step must not leave the loads indexed)."""
         self.held: dict[str, Request] = {}
         """Finished requests whose blocks stay held until the connector reports them sent
         (or, for one aborted while loading, loaded)."""
@@ -135,6 +138,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         cfg = self.config
+        self.loaded_in_step = {}
         budget = cfg.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         new_block_ids: dict[str, list[int]] = {}
@@ -285,6 +289,8 @@ class Scheduler:
                     self.connector.update_state_after_alloc(
                         req, self.kv.get_block_ids(req.request_id), num_external
                     )
+                    if num_external and not load_async:
+                        self.loaded_in_step[req.request_id] = num_local
             if load_async:
                 req.num_computed_tokens = num_hit_tokens
                 if req.num_cached_tokens < 0:
@@ -449,8 +455,8 @@ class Scheduler:
 
     def fail_step(self, scheduler_output: SchedulerOutput) -> list[str]:
         """Undo a step that raised. Whatever it computed is not reported, so every request it
-        scheduled or preempted finishes with ``FINISHED_ERROR`` (blocks it did not write leave
-        the prefix cache as they are freed), and the finished ids the workers may not have
+        scheduled or preempted finishes with ``FINISHED_ERROR`` (blocks it did not write, or a
+        KV connector was to load in it, leave the prefix cache as they are freed), and the finished ids the workers may not have
         received go out again with the next step. Returns the failed request ids: all of the
         step's, those it finished before raising included, whose outputs were lost."""
         self.finished_req_ids |= scheduler_output.finished_req_ids
@@ -459,6 +465,8 @@ class Scheduler:
             req = self.requests.get(req_id)
             if req is not None and req.status == RequestStatus.RUNNING:
                 req.num_computed_tokens -= n
+                if req_id in self.loaded_in_step:
+                    req.num_computed_tokens = self.loaded_in_step[req_id]
         self.finish_requests(failed, RequestStatus.FINISHED_ERROR)
         return failed
 

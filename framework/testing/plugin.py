@@ -2,10 +2,10 @@
 installed, inert unless one of its options is given).
 
 ``pytest --tokenmill-plugin NAME`` checks every platform, attention backend, model,
-speculative-decoding proposer and quantization method that the ``tokenmill.plugins`` entry
-point ``NAME`` registers; ``--tokenmill-backend``, ``--tokenmill-platform``,
-``--tokenmill-model``, ``--tokenmill-proposer`` and ``--tokenmill-quantization`` pick single
-parts (each may repeat). The
+speculative-decoding proposer, quantization method and KV connector that the
+``tokenmill.plugins`` entry point ``NAME`` registers; ``--tokenmill-backend``,
+``--tokenmill-platform``, ``--tokenmill-model``, ``--tokenmill-proposer``,
+``--tokenmill-quantization`` and ``--tokenmill-kv-connector`` pick single parts (each may repeat). The
 suites are the ``suite_*`` modules next to this one, one test per contract point (an attention
 backend whose ``is_mla()`` is true gets ``suite_mla_backend``); without explicit test paths
 only they run. A summary lists each part's contract points."""
@@ -25,6 +25,7 @@ SUITES = {
     "models": ("tokenmill.testing.suite_model", "tokenmill_model", "--tokenmill-model"),
     "proposers": ("tokenmill.testing.suite_proposer", "tokenmill_proposer", "--tokenmill-proposer"),
     "quantization_methods": ("tokenmill.testing.suite_quant", "tokenmill_quantization", "--tokenmill-quantization"),
+    "kv_connectors": ("tokenmill.testing.suite_kv_connector", "tokenmill_kv_connector", "--tokenmill-kv-connector"),
 }
 """kind -> (suite module, the fixture naming the part under test, the option picking one)."""
 
@@ -41,6 +42,7 @@ LABELS = {
     "models": "model",
     "proposers": "proposer",
     "quantization_methods": "quantization method",
+    "kv_connectors": "KV connector",
     "plugin": "plugin",
 }
 
@@ -65,6 +67,11 @@ class KitHooks:
         """The ``speculative_config`` to check proposer ``method`` with, on the tiny target at
         ``model_path`` and these prompts (token ids); None leaves it to the kit:
         ``{"method": method}`` (with the target as its own draft for ``draft_model``)."""
+
+    @pytest.hookspec(firstresult=True)
+    def pytest_tokenmill_kv_transfer_config(self, name: str, path: Path) -> dict | None:
+        """The ``kv_transfer_config`` to check KV connector ``name`` with (``path``: an empty
+        directory it may use); None leaves it to the kit: ``{"kv_connector": name}``."""
 
 
 @dataclass

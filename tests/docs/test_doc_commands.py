@@ -71,6 +71,7 @@ NOT_RUN = {
     "tokenmill serve --port 8100 --kv-transfer-config": "parsed only: tests/server/test_disaggregated.py runs a p2p prefill instance",
     "tokenmill serve --port 8200 --kv-transfer-config": "parsed only: tests/server/test_disaggregated.py runs a p2p decode instance",
     "tokenmill router --port 8000": "parsed only: tests/server/test_disaggregated.py runs the router over real instances",
+    "tokenmill serve --port 8000 --kv-transfer-config": "parsed only: tests/kv_connectors/ runs the storage and offload connectors on tiny models",
     "tokenmill bench latency": "parsed only: the documented sizes take minutes; tests/e2e/test_progress.py runs it on a tiny model",
 }
 """Shell commands not run as written (prefix -> why, and where they are exercised)."""

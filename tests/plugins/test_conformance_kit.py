@@ -254,3 +254,46 @@ def test_broken_parts_fail_at_their_contract_point(tmp_path):
     assert report["model 'LlamaForCausalLM'"] == "4 of 5 contract points passed"
     assert report["quantization method 'neighbour-scale'"] == "2 of 5 contract points passed"
     assert report["quantization method 'keeps-float'"] == "4 of 5 contract points passed"
+
+
+KV_CONNECTOR_CONFTEST = """
+def pytest_tokenmill_kv_transfer_config(name, path):
+    if name == "storage":
+        return {"kv_connector": name, "kv_connector_extra_config": {"shared_storage_path": str(path)}}
+"""
+"""The ``storage`` connector needs a directory; ``offload`` runs on its defaults (a host tier)."""
+
+
+def test_first_party_kv_connectors_pass(tmp_path):
+    (tmp_path / "conftest.py").write_text(KV_CONNECTOR_CONFTEST)
+    result = run_kit(tmp_path, "--tokenmill-kv-connector", "storage", "--tokenmill-kv-connector", "offload")
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+    assert summary(result.stdout) == {
+        "KV connector 'storage'": "3 of 3 contract points passed",
+        "KV connector 'offload'": "3 of 3 contract points passed",
+    }, result.stdout[-4000:]
+
+
+BROKEN_CONNECTORS_CONFTEST = """
+from tokenmill import plugins
+
+plugins.register_kv_connector("loads-into-neighbour", "kit_broken_connectors:LoadsIntoNeighbour")
+plugins.register_kv_connector("loads-when-asked", "kit_broken_connectors:LoadsWhenAsked")
+plugins.register_kv_connector("never-sends", "kit_broken_connectors:NeverSends")
+"""
+
+
+def test_broken_kv_connectors_fail_at_their_contract_point(tmp_path):
+    (tmp_path / "conftest.py").write_text(BROKEN_CONNECTORS_CONFTEST)
+    names = ("loads-into-neighbour", "loads-when-asked", "never-sends")
+    result = run_kit(tmp_path, *[a for n in names for a in ("--tokenmill-kv-connector", n)], pythonpath=[TESTS])
+    out = result.stdout
+    assert result.returncode == 1, out[-6000:] + result.stderr[-3000:]
+    failed = {line.split(" - ")[0].split("::")[-1] for line in out.splitlines() if line.startswith("FAILED")}
+    assert failed == {
+        "test_save_then_load_round_trips[loads-into-neighbour]",
+        "test_matching_has_no_side_effects[loads-when-asked]",
+        "test_save_then_load_round_trips[never-sends]",
+        "test_matching_has_no_side_effects[never-sends]",
+        "test_blocks_released_after_request_finished[never-sends]",
+    }, out[-4000:]

@@ -134,6 +134,14 @@ ENGINE_COUNTERS = {
         "Prompt tokens looked up in the prefix cache.",
     ),
     "prefix_cache_hit_tokens": ("prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+    "external_prefix_cache_query_tokens": (
+        "external_prefix_cache_queries",
+        "Prompt tokens past the local prefix-cache hits looked up in the KV connector.",
+    ),
+    "external_prefix_cache_hit_tokens": (
+        "external_prefix_cache_hits",
+        "Prompt tokens the KV connector supplied (not computed, not local prefix-cache hits).",
+    ),
     "spec_num_drafts": ("spec_decode_num_drafts", "Speculative-decoding drafts."),
     "spec_num_draft_tokens": ("spec_decode_num_draft_tokens", "Draft tokens proposed."),
     "spec_num_accepted_tokens": ("spec_decode_num_accepted_tokens", "Draft tokens accepted."),
