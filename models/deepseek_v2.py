@@ -39,7 +39,13 @@ from tokenmill.layers.rotary_embedding import get_rope, rope_config, yarn_get_ms
 from tokenmill.layers.vocab_embedding import VocabParallelEmbedding
 from tokenmill.model_loader.weights import default_weight_loader, find_param
 from tokenmill.layers.kv_cache_quant import load_kv_scale
-from tokenmill.models.llama import CausalLM, LlamaMLP, PreNormDecoderLayer, maybe_prefix
+from tokenmill.models.llama import (
+    CausalLM,
+    LlamaMLP,
+    PreNormDecoderLayer,
+    maybe_prefix,
+    stage_weight_name,
+)
 
 
 def softmax_scale(config: Any) -> float:
@@ -353,7 +359,7 @@ class DeepseekV2ForCausalLM(CausalLM):
         stage_weights = (
             (stage_name, tensor)
             for name, tensor in weights
-            if (stage_name := self.stage_weight_name(name, other_stages)) is not None
+            if (stage_name := stage_weight_name(self, name, other_stages)) is not None
         )
         return load_deepseek_weights(
             self, stage_weights, getattr(self.config, "n_routed_experts", None) or 0, skip

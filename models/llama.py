@@ -254,6 +254,21 @@ class LlamaModel(nn.Module):
         return hidden_states if aux is None else (hidden_states, aux)
 
 
+def stage_weight_name(model: nn.Module, name: str, skip: tuple[str, ...]) -> str | None:
+    """The name checkpoint weight ``name`` loads under in ``model`` on this pipeline stage,
+    None when another stage holds it (under a ``skip`` prefix): a tied LM head without the
+    embedding on its stage loads the embedding's weight."""
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if (
+        getattr(model, "tie_word_embeddings", False)
+        and name == "model.embed_tokens.weight"
+        and isinstance(embed, PPMissingLayer)
+        and not isinstance(getattr(model, "lm_head", None), PPMissingLayer)
+    ):
+        return "lm_head.weight"
+    return None if name.startswith(skip) else name
+
+
 class CausalLM(nn.Module):
     """A decoder stack ``model`` (with ``embed_tokens``) under an LM head, tied to the
     embedding when the config says so: ``forward`` returns the stack's last-layer hidden
@@ -288,18 +303,6 @@ class CausalLM(nn.Module):
     ) -> Any:
         return self.model(input_ids, positions, intermediate_tensors)
 
-    def stage_weight_name(self, name: str, skip: tuple[str, ...]) -> str | None:
-        """The name checkpoint weight ``name`` loads under on this pipeline stage, None when
-        another stage holds it (under a ``skip`` prefix): a tied LM head without the
-        embedding on its stage loads the embedding's weight."""
-        if (
-            self.tie_word_embeddings
-            and name == "model.embed_tokens.weight"
-            and isinstance(self.model.embed_tokens, PPMissingLayer)
-            and not isinstance(self.lm_head, PPMissingLayer)
-        ):
-            return "lm_head.weight"
-        return None if name.startswith(skip) else name
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden_states)
@@ -348,7 +351,7 @@ class LlamaForCausalLM(CausalLM):
         loaded: set[str] = set()
         skip = missing_prefixes(self)
         for name, tensor in weights:
-            name = self.stage_weight_name(name, skip)
+            name = stage_weight_name(self, name, skip)
             if name is None or "rotary_emb.inv_freq" in name:
                 continue
             if self.tie_word_embeddings and name.startswith("lm_head.") and name not in params:
