@@ -23,7 +23,7 @@ OPENAI_FIELDS = {
     "parallel_tool_calls", "store", "tool_choice", "tools", "top_logprobs", "response_format",
 }
 """The request fields of OpenAI's completions and chat completions APIs."""
-TOKENIZE_ONLY = {"add_special_tokens", "return_token_strs"}
+TOKENIZE_ONLY = {"return_token_strs"}
 """``/tokenize``'s own fields (vLLM's, documented with its endpoint)."""
 
 

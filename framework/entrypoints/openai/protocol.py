@@ -235,6 +235,9 @@ class SamplingFields(OpenAIModel):
     return_tokens_as_token_ids: bool | None = None
     """vLLM's: logprob tokens are spelled ``token_id:<id>``; None: the server's
     ``--return-tokens-as-token-ids``."""
+    add_special_tokens: bool = True
+    """vLLM's: the tokenizer adds its special tokens (a BOS) to the prompt text; a chat
+    request's default is False (its template writes them)."""
     truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
     """vLLM's: keep only this many prompt tokens (-1: ``max_model_len``), cut on
     ``truncation_side``."""
@@ -390,6 +393,7 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
+    add_special_tokens: bool = False
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     """vLLM's: the reply continues the last (assistant) message instead of starting one."""

@@ -147,7 +147,7 @@ class OpenAIServingChat(OpenAIServing):
             request.documents,
             request.chat_template,
         )
-        return self.engine.tokenizer.encode(text, add_special_tokens=False)
+        return self.engine.tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
 
     @staticmethod
     def _num_logprobs(request: ChatCompletionRequest) -> int | None:

@@ -151,10 +151,14 @@ class OpenAIServing:
         against the vocabulary and context (off the event loop). A cut prompt has no text."""
         text = prompt if isinstance(prompt, str) else None
         try:
-            if request.truncate_prompt_tokens is None:
+            if request.truncate_prompt_tokens is None and request.add_special_tokens:
                 engine_prompt = text if text is not None else {"prompt_token_ids": prompt}
                 return await self.engine.run_off_loop(self.engine.tokenize_prompt, engine_prompt)
-            ids = prompt if text is None else await self.engine.run_off_loop(self._encode, text)
+            ids = (
+                prompt
+                if text is None
+                else await self.engine.run_off_loop(self._encode, text, request.add_special_tokens)
+            )
             cut = self.truncate(ids, request)
             if len(cut) < len(ids):
                 text = None
@@ -163,11 +167,11 @@ class OpenAIServing:
         except ValueError as e:
             raise OpenAIError(str(e), param=param) from None
 
-    def _encode(self, text: str) -> list[int]:
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise ValueError("this model has no tokenizer; send token ids")
-        return tokenizer.encode(text)
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def truncate(self, ids: list[int], request: SamplingFields) -> list[int]:
         """The prompt cut to ``truncate_prompt_tokens`` (vLLM's: -1 is ``max_model_len``) on
