@@ -102,7 +102,9 @@ LATENCY_BUCKETS = [
 ITERATION_TOKENS_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 N_BUCKETS = [1, 2, 5, 10, 20]
 
-NO_VLLM_COUNTERPART = frozenset({"kv_blocks_total", "kv_blocks_free", "num_requests_routed"})
+NO_VLLM_COUNTERPART = frozenset(
+    {"kv_blocks_total", "kv_blocks_free", "num_requests_routed", "kv_transfer_recomputed"}
+)
 """Series vLLM has no counterpart of: exported under ``tokenmill:`` whatever the names."""
 
 PREFIXES = {"tokenmill": ("tokenmill",), "vllm": ("vllm",), "both": ("tokenmill", "vllm")}
@@ -143,6 +145,10 @@ ENGINE_COUNTERS = {
     "external_prefix_cache_hit_tokens": (
         "external_prefix_cache_hits",
         "Prompt tokens the KV connector supplied (not computed, not local prefix-cache hits).",
+    ),
+    "kv_transfer_recomputed": (
+        "kv_transfer_recomputed",
+        "Requests whose KV load from the connector failed, their prompts computed locally.",
     ),
     "spec_num_drafts": ("spec_decode_num_drafts", "Speculative-decoding drafts."),
     "spec_num_draft_tokens": ("spec_decode_num_draft_tokens", "Draft tokens proposed."),
