@@ -47,9 +47,11 @@ def instances():
         "kv_role": "kv_consumer",
         "kv_connector_extra_config": {"pull_timeout_s": 5},
     }
-    prefill = RemoteServer("--kv-transfer-config", json.dumps(producer))
+    # Usage carries cached_tokens (the pulled blocks) only with --enable-prompt-tokens-details.
+    details = "--enable-prompt-tokens-details"
+    prefill = RemoteServer(details, "--kv-transfer-config", json.dumps(producer))
     try:
-        decode = RemoteServer("--kv-transfer-config", json.dumps(consumer))
+        decode = RemoteServer(details, "--kv-transfer-config", json.dumps(consumer))
     except BaseException:
         prefill.stop()
         raise
