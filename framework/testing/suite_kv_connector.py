@@ -63,7 +63,7 @@ class Engine:
         config = EngineConfig.from_kwargs(block_size=BLOCK_SIZE, kv_transfer_config=transfer)
         specs = {n: FullAttentionSpec(BLOCK_SIZE, torch.float32, HEADS, HEAD_SIZE) for n in LAYERS}
         cls = plugins.get_registry("kv_connectors").load(name)
-        self.scheduler: KVConnectorBase = cls(config, KVConnectorRole.SCHEDULER, 0, specs)
+        self.scheduler_side: KVConnectorBase = cls(config, KVConnectorRole.SCHEDULER, 0, specs)
         self.worker: KVConnectorBase = cls(config, KVConnectorRole.WORKER, 0, specs)
         gen = torch.Generator().manual_seed(0)
         self.caches = {
@@ -88,7 +88,7 @@ class Engine:
             sum(n for _, _, n in scheduled.values()),
             finished_req_ids=set(finished),
         )
-        meta = self.scheduler.build_connector_meta(out)
+        meta = self.scheduler_side.build_connector_meta(out)
         self.worker.bind_connector_metadata(meta)
         self.worker.start_load_kv()
         for name in LAYERS:
@@ -104,13 +104,13 @@ class Engine:
 
     def produce(self, req: KitRequest, block_ids: list[int]) -> None:
         """Compute ``req``'s prompt (as a producer) and finish it."""
-        self.scheduler.update_state_after_alloc(req, block_ids, 0)
+        self.scheduler_side.update_state_after_alloc(req, block_ids, 0)
         self.step({req.request_id: (req, block_ids, req.num_tokens)})
         self.finish(req, block_ids)
 
     def finish(self, req: KitRequest, block_ids: list[int]) -> None:
         """Finish ``req``; when the connector delays the free, step until it reports the send."""
-        delay_free, _ = self.scheduler.request_finished(req, block_ids)
+        delay_free, _ = self.scheduler_side.request_finished(req, block_ids)
         finished = {req.request_id}
         for _ in range(MAX_STEPS if delay_free else 0):
             if req.request_id in self.sent:
@@ -140,14 +140,14 @@ def test_save_then_load_round_trips(engine):
     producer_blocks = list(range(PROMPT_BLOCKS + 1))
     engine.produce(KitRequest("producer", _prompt(1)), producer_blocks)
     consumer = KitRequest("consumer", _prompt(1))
-    num_tokens, load_async = engine.scheduler.get_num_new_matched_tokens(consumer, 0)
+    num_tokens, load_async = engine.scheduler_side.get_num_new_matched_tokens(consumer, 0)
     assert num_tokens == PROMPT_BLOCKS * BLOCK_SIZE, (
         f"offered {num_tokens} tokens of a prompt whose {PROMPT_BLOCKS} full blocks were saved"
     )
     consumer_blocks = list(range(8, 8 + PROMPT_BLOCKS + 1))
     for name in LAYERS:
         engine.caches[name][consumer_blocks].zero_()
-    engine.scheduler.update_state_after_alloc(consumer, consumer_blocks, num_tokens)
+    engine.scheduler_side.update_state_after_alloc(consumer, consumer_blocks, num_tokens)
     consumer.num_computed_tokens = num_tokens
     if load_async:
         engine.step({})
@@ -170,11 +170,11 @@ def test_matching_has_no_side_effects(engine):
     engine.produce(KitRequest("producer", _prompt(2)), list(range(PROMPT_BLOCKS + 1)))
     before = {n: c.clone() for n, c in engine.caches.items()}
     consumer = KitRequest("consumer", _prompt(2))
-    answers = [engine.scheduler.get_num_new_matched_tokens(consumer, 0) for _ in range(3)]
+    answers = [engine.scheduler_side.get_num_new_matched_tokens(consumer, 0) for _ in range(3)]
     assert answers[0] == answers[1] == answers[2], f"answers changed between calls: {answers}"
     assert answers[0][0] > 0, "the saved prompt was not matched"
     other = KitRequest("other", _prompt(3))
-    assert engine.scheduler.get_num_new_matched_tokens(other, 0)[0] == 0, "an unseen prompt matched"
+    assert engine.scheduler_side.get_num_new_matched_tokens(other, 0)[0] == 0, "an unseen prompt matched"
     engine.step({})
     for name in LAYERS:
         assert torch.equal(engine.caches[name], before[name]), (
@@ -187,5 +187,5 @@ def test_blocks_released_after_request_finished(engine):
     req = KitRequest("finishing", _prompt(4))
     engine.produce(req, list(range(PROMPT_BLOCKS + 1)))
     aborted = KitRequest("aborted", _prompt(5))
-    engine.scheduler.update_state_after_alloc(aborted, [12, 13, 14, 15], 0)
+    engine.scheduler_side.update_state_after_alloc(aborted, [12, 13, 14, 15], 0)
     engine.finish(aborted, [12, 13, 14, 15])

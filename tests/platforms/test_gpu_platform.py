@@ -111,12 +111,16 @@ def test_decode_graphs_are_the_platforms_decision(monkeypatch, platform, enforce
     assert (runner and type(runner)) is runner_cls
 
 
-def test_gpu_platforms_op_table_is_the_triton_moe():
+def test_gpu_platforms_op_table_is_the_triton_kernels():
     """Their layers run ``forward_native`` (torch's CUDA ops); MoE experts run the Triton
-    fused-MoE kernel, the platforms' one op."""
+    fused-MoE kernel and LoRA layers the Triton LoRA kernel, the platforms' two ops."""
     from tokenmill.platforms.cuda_fused_moe import TritonFusedMoEMethod
+    from tokenmill.platforms.cuda_lora import lora_apply
 
-    assert CudaPlatform.get_ops() == RocmPlatform.get_ops() == {"unquantized_fused_moe": TritonFusedMoEMethod}
+    assert CudaPlatform.get_ops() == RocmPlatform.get_ops() == {
+        "unquantized_fused_moe": TritonFusedMoEMethod,
+        "lora_apply": lora_apply,
+    }
 
 
 @pytest.mark.gpu

@@ -335,7 +335,7 @@ def test_broken_commands_are_left_out_and_reported(site, capsys):
     site.install("fake-cmd-dist", "fake_tm_commands", {"fake_tm_commands": COMMANDS_MODULE})
     plugins.reload_plugins()
     commands = _commands(cli.build_parser())
-    assert {"generate", "chat", "plugins", "bench", "serve", "fake-ok"} == set(commands)
+    assert {"generate", "chat", "plugins", "bench", "serve", "router", "fake-ok"} == set(commands)
     assert commands["generate"].get_default("func") is cli.cmd_generate
     assert cli.main(["fake-ok"]) == 7
     left_out = "from plugin 'fake' (distribution 'fake-cmd-dist') is left out"
