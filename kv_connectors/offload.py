@@ -40,7 +40,12 @@ from tokenmill.interfaces.kv_connector import (
     KVConnectorRole,
 )
 from tokenmill.kv_connectors import block_file
-from tokenmill.kv_connectors.storage import check_extra_keys, check_hash_algo, storage_dir
+from tokenmill.kv_connectors.storage import (
+    check_extra_keys,
+    check_hash_algo,
+    follow_block_ids,
+    storage_dir,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -171,15 +176,7 @@ class OffloadConnector(KVConnectorBase):
     def build_connector_meta(self, scheduler_output: Any) -> OffloadMetadata:
         meta = OffloadMetadata(loads=self.pending_loads)
         self.pending_loads = []
-        for new in scheduler_output.scheduled_new_reqs:
-            if new.req_id in self.tracked:
-                self.tracked[new.req_id].block_ids = list(new.block_ids)
-        cached = scheduler_output.scheduled_cached_reqs
-        for req_id, resumed, new_ids in zip(
-            cached.req_ids, cached.resumed_from_preemption, cached.new_block_ids
-        ):
-            if req_id in self.tracked and not resumed:
-                self.tracked[req_id].block_ids += new_ids
+        follow_block_ids(self.tracked, scheduler_output)
         for req_id in scheduler_output.num_scheduled_tokens:
             tracked = self.tracked.get(req_id)
             if tracked is None:

@@ -43,6 +43,20 @@ class _Tracked:
     """The first prompt block not yet saved (or known to be stored)."""
 
 
+def follow_block_ids(tracked: dict[str, Any], scheduler_output: Any) -> None:
+    """Keep each tracked request's ``block_ids`` (any object with that list) up to date with
+    the blocks the step's scheduler output gave it."""
+    for new in scheduler_output.scheduled_new_reqs:
+        if new.req_id in tracked:
+            tracked[new.req_id].block_ids = list(new.block_ids)
+    cached = scheduler_output.scheduled_cached_reqs
+    for req_id, resumed, new_ids in zip(
+        cached.req_ids, cached.resumed_from_preemption, cached.new_block_ids
+    ):
+        if req_id in tracked and not resumed:
+            tracked[req_id].block_ids += new_ids
+
+
 def storage_dir(config: EngineConfig, key: str) -> Path:
     """``kv_connector_extra_config[key]``/<model namespace>, created."""
     assert config.kv_transfer is not None
@@ -127,15 +141,7 @@ class StorageConnector(KVConnectorBase):
     def build_connector_meta(self, scheduler_output: Any) -> StorageMetadata:
         meta = StorageMetadata(loads=self.pending_loads)
         self.pending_loads = []
-        for new in scheduler_output.scheduled_new_reqs:
-            if new.req_id in self.tracked:
-                self.tracked[new.req_id].block_ids = list(new.block_ids)
-        cached = scheduler_output.scheduled_cached_reqs
-        for req_id, resumed, new_ids in zip(
-            cached.req_ids, cached.resumed_from_preemption, cached.new_block_ids
-        ):
-            if req_id in self.tracked and not resumed:
-                self.tracked[req_id].block_ids += new_ids
+        follow_block_ids(self.tracked, scheduler_output)
         if not self.kv_transfer_config.is_kv_producer:
             return meta
         for req_id in scheduler_output.num_scheduled_tokens:
