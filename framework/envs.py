@@ -112,6 +112,13 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
     "TOKENMILL_CPU_THREADS": EnvVar(
         "int", None, "torch threads of an engine on a CPU platform; unset: torch's default"
     ),
+    "TOKENMILL_CPU_ADAPTIVE_THREADS": EnvVar(
+        "bool",
+        True,
+        "step with fewer threads than TOKENMILL_CPU_THREADS (or torch's default) while other "
+        "processes keep the cores busy, and with all of them again when the cores are free; 0: "
+        "always all of them",
+    ),
     "TOKENMILL_CPU_ISA": EnvVar(
         "str",
         "native",

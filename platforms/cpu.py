@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -13,6 +13,7 @@ from tokenmill import envs
 from tokenmill.interfaces.attention import AttentionConfig
 from tokenmill.interfaces.platform import Platform
 from tokenmill.ops import cpu as cpu_ops
+from tokenmill.platforms.cpu_threads import AdaptiveThreads
 
 if TYPE_CHECKING:
     from tokenmill.config import EngineConfig
@@ -110,6 +111,8 @@ class CpuPlatform(Platform):
     device_type = "cpu"
     supported_dtypes = (torch.float32, torch.bfloat16, torch.float16)
     detection_priority = 0
+    adaptive_threads: ClassVar[AdaptiveThreads | None] = None
+    """This process's thread count chooser, made by :meth:`set_num_threads`."""
     custom_ops = {
         "rms_norm": rms_norm,
         "residual_sum": residual_sum,
@@ -185,10 +188,22 @@ class CpuPlatform(Platform):
     @classmethod
     def set_num_threads(cls, config: EngineConfig) -> None:
         """``TOKENMILL_CPU_THREADS``; unset, torch's default, shared out between the ranks
-        when several engine processes (tensor or data parallel) run on this machine."""
+        when several engine processes (tensor or data parallel) run on this machine. That count
+        is the most :meth:`before_step` uses: unless ``TOKENMILL_CPU_ADAPTIVE_THREADS=0``, it
+        steps with fewer while other processes keep this process's cores busy
+        (``platforms/cpu_threads.py``)."""
         if threads := envs.TOKENMILL_CPU_THREADS:
             torch.set_num_threads(threads)
-            return
-        num_ranks = config.tensor_parallel_size * config.data_parallel_size
-        if num_ranks > 1:
-            torch.set_num_threads(max(1, torch.get_num_threads() // num_ranks))
+        else:
+            num_ranks = config.tensor_parallel_size * config.data_parallel_size
+            if num_ranks > 1:
+                torch.set_num_threads(max(1, torch.get_num_threads() // num_ranks))
+        threads = torch.get_num_threads()
+        cls.adaptive_threads = None
+        if envs.TOKENMILL_CPU_ADAPTIVE_THREADS and threads > 1:
+            cls.adaptive_threads = AdaptiveThreads(threads, frozenset(os.sched_getaffinity(0)))
+
+    @classmethod
+    def before_step(cls) -> None:
+        if cls.adaptive_threads is not None:
+            cls.adaptive_threads.before_step()

@@ -125,7 +125,7 @@ class GGUFLinearMethod(LinearMethod):
             y = x.new_empty(t, self.output_size)
             getattr(cpu_ops.load(), self.kernel_name)(
                 self.qtype_id, layer.qweight.data_ptr(), self.row_bytes, x.data_ptr(), t,
-                self.input_size, y.data_ptr(), self.output_size, torch.get_num_threads(),
+                self.input_size, y.data_ptr(), self.output_size,
             )
             return y if bias is None else y.add_(bias)
         x2 = x.reshape(-1, self.input_size)
@@ -154,8 +154,7 @@ def matmul(qtype: Q, qweight: torch.Tensor, x: torch.Tensor, n: int) -> torch.Te
     t, k = x.shape
     y = x.new_empty(t, n)
     getattr(cpu_ops.load(), kernel_name())(
-        int(qtype), qweight.data_ptr(), qweight.shape[1], x.data_ptr(), t, k, y.data_ptr(), n,
-        torch.get_num_threads(),
+        int(qtype), qweight.data_ptr(), qweight.shape[1], x.data_ptr(), t, k, y.data_ptr(), n
     )
     return y
 
@@ -165,6 +164,6 @@ def dequantize(qtype: Q, qweight: torch.Tensor, n: int, k: int) -> torch.Tensor:
     the next call."""
     out = workspace(n, k)
     cpu_ops.load().gguf_dequantize(
-        int(qtype), qweight.data_ptr(), qweight.shape[1], n, k, out.data_ptr(), torch.get_num_threads()
+        int(qtype), qweight.data_ptr(), qweight.shape[1], n, k, out.data_ptr()
     )
     return out

@@ -136,6 +136,12 @@ class Platform:
     def set_num_threads(cls, config: EngineConfig) -> None:
         """Apply thread settings for the current process."""
 
+    @classmethod
+    def before_step(cls) -> None:
+        """Called by the worker before each step, in the thread that runs the step's forward
+        (thread settings such as torch's thread count are per thread). The CPU platform adapts
+        its thread count to the cores other processes leave free here."""
+
 
 def _resolve_op(platform: str, name: str, op: Callable[..., Any] | str) -> Callable[..., Any]:
     if callable(op):

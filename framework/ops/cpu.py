@@ -8,7 +8,9 @@ They run on contiguous float32 CPU tensors (the decode attention also on float8 
 the quantized weights of ``cpu_quant``, which wraps ``quant_int.c`` and ``quant_fp8.c``); callers
 (the CPU platform's op table, the
 ``cpu_sdpa`` backend) check :func:`supports` and otherwise use their torch path. The OpenMP
-runtime they link is the one torch already loaded, so they share its threads.
+runtime they link is the one torch already loaded, so they share its threads, and each kernel
+runs on as many as ``torch.set_num_threads`` last gave the calling thread (``omp_get_max_threads``),
+read at every call: a recorded decode graph follows a change of the thread count.
 ``TOKENMILL_DISABLE_CPU_KERNELS=1`` turns them all off.
 """
 
@@ -48,27 +50,27 @@ ISA_FLAGS: dict[str, tuple[list[str], tuple[str, ...]]] = {
 }
 _I64, _F32, _PTR, _INT = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int
 SIGNATURES = {
-    "paged_decode_attention": [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _F32, _F32, _INT, _I64, _I64, _INT],
+    "paged_decode_attention": [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _F32, _F32, _INT, _I64, _I64],
     "kv_cache_write": [_PTR, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64],
     "embedding": [_PTR, _PTR, _PTR, _I64, _I64],
-    "rms_norm": [_PTR, _PTR, _PTR, _I64, _I64, _F32, _INT],
-    "fused_add_rms_norm": [_PTR, _PTR, _PTR, _I64, _I64, _F32, _INT],
+    "rms_norm": [_PTR, _PTR, _PTR, _I64, _I64, _F32],
+    "fused_add_rms_norm": [_PTR, _PTR, _PTR, _I64, _I64, _F32],
     "residual_sum": [_PTR, _I64, _PTR, _PTR, _I64, _I64],
-    "silu_and_mul": [_PTR, _PTR, _I64, _I64, _INT],
-    "rotary_embedding": [_PTR, _PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _INT, _INT],
-    "gguf_matmul": [_INT, _PTR, _I64, _PTR, _I64, _I64, _PTR, _I64, _INT],
-    "gguf_matmul_q8": [_INT, _PTR, _I64, _PTR, _I64, _I64, _PTR, _I64, _INT],
-    "gguf_dequantize": [_INT, _PTR, _I64, _I64, _I64, _PTR, _INT],
-    "int8_linear": [_PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _INT],
-    "f32_linear": [_PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _INT],
-    "int8_dequantize": [_PTR, _PTR, _PTR, _I64, _I64, _INT],
-    "int4_linear": [_PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _INT],
-    "int4_dequantize": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _INT],
-    "quantize_rows_int8": [_PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _INT],
-    "w8a8_linear": [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _INT],
-    "fp8_linear": [_PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _INT],
-    "fp8_dequantize": [_PTR, _PTR, _PTR, _I64, _I64, _INT],
-    "lora_apply": [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _INT],
+    "silu_and_mul": [_PTR, _PTR, _I64, _I64],
+    "rotary_embedding": [_PTR, _PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _INT],
+    "gguf_matmul": [_INT, _PTR, _I64, _PTR, _I64, _I64, _PTR, _I64],
+    "gguf_matmul_q8": [_INT, _PTR, _I64, _PTR, _I64, _I64, _PTR, _I64],
+    "gguf_dequantize": [_INT, _PTR, _I64, _I64, _I64, _PTR],
+    "int8_linear": [_PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64],
+    "f32_linear": [_PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64],
+    "int8_dequantize": [_PTR, _PTR, _PTR, _I64, _I64],
+    "int4_linear": [_PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64],
+    "int4_dequantize": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64],
+    "quantize_rows_int8": [_PTR, _I64, _PTR, _PTR, _I64, _I64, _I64],
+    "w8a8_linear": [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64],
+    "fp8_linear": [_PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64],
+    "fp8_dequantize": [_PTR, _PTR, _PTR, _I64, _I64],
+    "lora_apply": [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64],
 }
 
 
@@ -218,7 +220,7 @@ def paged_decode_attention(
         query.data_ptr(), query.stride(0), rows.data_ptr(), key_cache.data_ptr(),
         value_cache.data_ptr(), block_table.data_ptr(), block_table.stride(0),
         seq_lens.data_ptr(), output.data_ptr(), rows.shape[0], h, kvh, d, bs, scale * k_scale,
-        v_scale, KV_FORMATS[key_cache.dtype], max_len, sliding_window or 0, torch.get_num_threads(),
+        v_scale, KV_FORMATS[key_cache.dtype], max_len, sliding_window or 0,
     )
 
 
@@ -249,7 +251,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x = x.contiguous()
     out = torch.empty_like(x)
     n = x.shape[-1]
-    load().rms_norm(out.data_ptr(), x.data_ptr(), weight.data_ptr(), x.numel() // n, n, eps, torch.get_num_threads())
+    load().rms_norm(out.data_ptr(), x.data_ptr(), weight.data_ptr(), x.numel() // n, n, eps)
     return out
 
 
@@ -260,7 +262,7 @@ def fused_add_rms_norm(
     ``(x, residual)``. Both must be contiguous and of one shape."""
     n = x.shape[-1]
     load().fused_add_rms_norm(
-        x.data_ptr(), residual.data_ptr(), weight.data_ptr(), x.numel() // n, n, eps, torch.get_num_threads()
+        x.data_ptr(), residual.data_ptr(), weight.data_ptr(), x.numel() // n, n, eps
     )
     return x, residual
 
@@ -279,7 +281,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     x = x.contiguous()
     d = x.shape[-1] // 2
     out = x.new_empty(*x.shape[:-1], d)
-    load().silu_and_mul(out.data_ptr(), x.data_ptr(), x.numel() // (2 * d), d, torch.get_num_threads())
+    load().silu_and_mul(out.data_ptr(), x.data_ptr(), x.numel() // (2 * d), d)
     return out
 
 
@@ -300,7 +302,7 @@ def rotary_embedding(
     load().rotary_embedding(
         positions.data_ptr(), query.data_ptr(), query.stride(0), key.data_ptr(), key.stride(0),
         cos_sin_cache.data_ptr(), t, query.shape[1] // head_size, key.shape[1] // head_size,
-        head_size, rotary_dim, int(is_neox_style), torch.get_num_threads(),
+        head_size, rotary_dim, int(is_neox_style),
     )
 
 
@@ -323,5 +325,5 @@ def lora_apply(
     load().lora_apply(
         out.data_ptr(), out.stride(0), x.data_ptr(), x.stride(0), lora_a.data_ptr(), lora_b.data_ptr(),
         token_slots.data_ptr(), slice_ranks.data_ptr(), slice_offsets.data_ptr(), x.shape[0], x.shape[1],
-        out.shape[1], slice_ranks.shape[1], max_rank, torch.get_num_threads(),
+        out.shape[1], slice_ranks.shape[1], max_rank,
     )

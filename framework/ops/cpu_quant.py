@@ -20,11 +20,11 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 
 def _linear(kernel: str, x: torch.Tensor, n: int, *args: int | None, extra: tuple[int, ...] = ()) -> torch.Tensor:
-    """The [M, n] output of the C ``kernel``, called as ``kernel(out, *args, M, n, K, *extra,
-    threads)`` for ``x`` [M, K]."""
+    """The [M, n] output of the C ``kernel``, called as ``kernel(out, *args, M, n, K, *extra)`` for
+    ``x`` [M, K]."""
     m, k = x.shape
     out = x.new_empty(m, n)
-    getattr(load(), kernel)(out.data_ptr(), *args, m, n, k, *extra, torch.get_num_threads())
+    getattr(load(), kernel)(out.data_ptr(), *args, m, n, k, *extra)
     return out
 
 
@@ -54,7 +54,7 @@ def int8_dequantize(weight: torch.Tensor, scale: torch.Tensor, out: torch.Tensor
     """``weight * scale[:, None]`` as float32 [N, K] (into ``out`` when given)."""
     n, k = weight.shape
     out = _out(out, n, k)
-    load().int8_dequantize(out.data_ptr(), weight.data_ptr(), scale.data_ptr(), n, k, torch.get_num_threads())
+    load().int8_dequantize(out.data_ptr(), weight.data_ptr(), scale.data_ptr(), n, k)
     return out
 
 
@@ -81,7 +81,7 @@ def int4_dequantize(
     out = _out(out, n, k)
     load().int4_dequantize(
         out.data_ptr(), packed.data_ptr(), scale.data_ptr(), minimum.data_ptr(), n, k,
-        k // scale.shape[1], torch.get_num_threads(),
+        k // scale.shape[1],
     )
     return out
 
@@ -94,7 +94,7 @@ def quantize_rows_int8(x: torch.Tensor, width: int | None = None) -> tuple[torch
     q = torch.empty(m, width, dtype=torch.int8)
     scale = torch.empty(m)
     load().quantize_rows_int8(
-        q.data_ptr(), width, scale.data_ptr(), x.data_ptr(), x.stride(0), m, k, torch.get_num_threads()
+        q.data_ptr(), width, scale.data_ptr(), x.data_ptr(), x.stride(0), m, k
     )
     return q, scale
 
@@ -128,5 +128,5 @@ def fp8_dequantize(weight: torch.Tensor, scale: torch.Tensor, out: torch.Tensor 
     """``weight.float() * scale[:, None]`` as float32 [N, K] (into ``out`` when given)."""
     n, k = weight.shape
     out = _out(out, n, k)
-    load().fp8_dequantize(out.data_ptr(), weight.data_ptr(), scale.data_ptr(), n, k, torch.get_num_threads())
+    load().fp8_dequantize(out.data_ptr(), weight.data_ptr(), scale.data_ptr(), n, k)
     return out

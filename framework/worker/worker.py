@@ -104,6 +104,7 @@ class Worker:
         self.model_runner.initialize_kv_cache(num_blocks)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self.config.platform_cls.before_step()
         return self.model_runner.execute_model(scheduler_output)
 
     def step_intervals(self) -> list[tuple[float, float]]:

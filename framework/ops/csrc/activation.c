@@ -1,9 +1,11 @@
 /* Gated SiLU for fused gate/up projections. */
+#include <omp.h>
 #include <math.h>
 #include "vec.h"
 
 /* out[t, i] = silu(x[t, i]) * x[t, d + i] for x [T, 2d], out [T, d], both contiguous. */
-void silu_and_mul(float *out, const float *x, int64_t T, int64_t d, int nthreads) {
+void silu_and_mul(float *out, const float *x, int64_t T, int64_t d) {
+    const int nthreads = omp_get_max_threads();
     #pragma omp parallel for num_threads(nthreads) if (T * d >= 65536)
     for (int64_t t = 0; t < T; ++t) {
         const float *g = x + t * 2 * d, *u = g + d;

@@ -1,4 +1,5 @@
 /* Paged decode attention: one query token per request over its cached context. */
+#include <omp.h>
 #include <math.h>
 #include <stdlib.h>
 #include "fp8.h"
@@ -192,8 +193,8 @@ void paged_decode_attention(
     const float *q, int64_t q_stride, const int64_t *rows, const void *key_cache, const void *value_cache,
     const int64_t *block_table, int64_t table_stride, const int64_t *seq_lens,
     float *out, int64_t B, int64_t H, int64_t kvh, int64_t D, int64_t bs,
-    float scale, float v_scale, int kv_format, int64_t max_len, int64_t window, int nthreads)
-{
+    float scale, float v_scale, int kv_format, int64_t max_len, int64_t window) {
+    const int nthreads = omp_get_max_threads();
     const int64_t row = kvh * D, block = bs * row;
     const attn_shape s = {
         key_cache, value_cache, H, H / kvh, D, row, bs, block,

@@ -13,6 +13,7 @@
    - gguf_matmul_q8: llama.cpp's: each activation row first quantized to blocks of 32 int8 codes
      (quantize_q8), then every block's integer dot product summed in int32 (AVX2 maddubs)
      and scaled by both blocks' scales. */
+#include <omp.h>
 #include <math.h>
 #include <stdlib.h>
 #include "vec.h"
@@ -126,7 +127,8 @@ static inline __attribute__((always_inline)) void matmul_row(
 /* y [T, N] = x [T, K] @ W.T for W [N, row_bytes] of GGUF type `type` (Q4_0, Q4_1 or Q8_0: the
    caller checks); K a multiple of 32; x and y contiguous float32. */
 void gguf_matmul(int type, const uint8_t *w, int64_t row_bytes, const float *x, int64_t T, int64_t K,
-                 float *y, int64_t N, int nthreads) {
+                 float *y, int64_t N) {
+    const int nthreads = omp_get_max_threads();
     float xsum[T * (K / QK) + 1];
     for (int64_t i = 0; i < T * (K / QK); ++i) {
         const float *xb = x + i * QK;
@@ -155,7 +157,8 @@ static inline __attribute__((always_inline)) void dequantize_row(int type, const
 }
 
 /* out [N, K] float32 = the weights of W [N, row_bytes] (types as gguf_matmul). */
-void gguf_dequantize(int type, const uint8_t *w, int64_t row_bytes, int64_t N, int64_t K, float *out, int nthreads) {
+void gguf_dequantize(int type, const uint8_t *w, int64_t row_bytes, int64_t N, int64_t K, float *out) {
+    const int nthreads = omp_get_max_threads();
     #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t o = 0; o < N; ++o) {
         switch (type) {
@@ -286,7 +289,8 @@ static inline __attribute__((always_inline)) void matmul_row_q8(
 
 /* As gguf_matmul, with x quantized by quantize_q8 first and integer block products. */
 void gguf_matmul_q8(int type, const uint8_t *w, int64_t row_bytes, const float *x, int64_t T, int64_t K,
-                    float *y, int64_t N, int nthreads) {
+                    float *y, int64_t N) {
+    const int nthreads = omp_get_max_threads();
     const int64_t nb = K / QK;
     int8_t *xq = malloc((size_t)(T * K));
     float *xd = malloc(sizeof(float) * (size_t)(2 * T * nb + 1)), *xs = xd + T * nb;

@@ -4,6 +4,7 @@
    (s * S + i) * max_rank .. + rank[s, i] of A [rows, K] (the shrink, x . A^T) and of B [rows, N]
    (the expand, its slice's columns offsets[i] .. offsets[i + 1]); the rows past a slice's rank
    are never read, and a slice of rank 0 (the adapter leaves it alone) is skipped. */
+#include <omp.h>
 #include "vec.h"
 
 /* y[r] = dot(x, A row r) for r < rank, four rows at a time. */
@@ -60,7 +61,8 @@ static void expand(float *out, const float *y, const float *b, int64_t rank, int
 void lora_apply(float *out, int64_t ldo, const float *x, int64_t ldx, const float *lora_a,
                 const float *lora_b, const int64_t *slots, const int64_t *ranks,
                 const int64_t *offsets, int64_t T, int64_t K, int64_t N, int64_t S,
-                int64_t max_rank, int nthreads) {
+                int64_t max_rank) {
+    const int nthreads = omp_get_max_threads();
     #pragma omp parallel num_threads(nthreads) if (T * max_rank * (K + N) >= (1 << 18))
     {
         float y[max_rank > 0 ? max_rank : 1];

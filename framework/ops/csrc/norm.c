@@ -1,5 +1,6 @@
 /* RMSNorm, alone and fused with the residual add before it, and the residual sum alone.
    Rows in parallel. */
+#include <omp.h>
 #include <math.h>
 #include "vec.h"
 
@@ -16,13 +17,15 @@ static inline void norm_row(float *out, const float *x, const float *w, int64_t 
 }
 
 /* out[t] = x[t] / rms(x[t]) * w; x and out are [T, N], contiguous. */
-void rms_norm(float *out, const float *x, const float *w, int64_t T, int64_t N, float eps, int nthreads) {
+void rms_norm(float *out, const float *x, const float *w, int64_t T, int64_t N, float eps) {
+    const int nthreads = omp_get_max_threads();
     #pragma omp parallel for num_threads(nthreads) if (T * N >= 65536)
     for (int64_t t = 0; t < T; ++t) norm_row(out + t * N, x + t * N, w, N, eps);
 }
 
 /* In place: residual += x, then x = rms_norm(residual) * w (vLLM's fused_add_rms_norm). */
-void fused_add_rms_norm(float *x, float *residual, const float *w, int64_t T, int64_t N, float eps, int nthreads) {
+void fused_add_rms_norm(float *x, float *residual, const float *w, int64_t T, int64_t N, float eps) {
+    const int nthreads = omp_get_max_threads();
     #pragma omp parallel for num_threads(nthreads) if (T * N >= 65536)
     for (int64_t t = 0; t < T; ++t) {
         float *xr = x + t * N, *rr = residual + t * N;

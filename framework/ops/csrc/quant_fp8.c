@@ -1,6 +1,7 @@
 /* Linear layers on FP8 (e4m3fn) weights W [N, K] with one float scale per output row:
    out = x W^T * scale + bias, by quant_tile.h's streamed product; fp8_row widens a row for the
    dequantizer. */
+#include <omp.h>
 #include "quant_tile.h"
 
 /* e4m3fn bits s.eeee.mmm (bias 7) to float: the exponent and mantissa bits moved into a
@@ -34,11 +35,13 @@ STREAMED_LINEAR(fp8_streamed, fp8_load8, fp8_load1, 0)
 
 /* out [M, N] = x [M, K] (row stride ldx) W^T * scale[n] + bias[n] (bias may be NULL). */
 void fp8_linear(float *out, const float *x, int64_t ldx, const uint8_t *w, const float *scale,
-                const float *bias, int64_t M, int64_t N, int64_t K, int nthreads) {
+                const float *bias, int64_t M, int64_t N, int64_t K) {
+    const int nthreads = omp_get_max_threads();
     fp8_streamed(out, x, ldx, w, K, scale, bias, M, N, K, nthreads);
 }
 
 /* out [N, K] = W * scale[n]. */
-void fp8_dequantize(float *out, const uint8_t *w, const float *scale, int64_t N, int64_t K, int nthreads) {
+void fp8_dequantize(float *out, const uint8_t *w, const float *scale, int64_t N, int64_t K) {
+    const int nthreads = omp_get_max_threads();
     dequantize_rows(out, fp8_row, w, scale, N, K, nthreads);
 }

@@ -9,6 +9,7 @@
    streamed, int4 tiled over rows widened to float. The
    dequantize kernels write the float weight for callers that hand large batches to a float
    GEMM. */
+#include <omp.h>
 #include <math.h>
 #include "quant_tile.h"
 
@@ -43,18 +44,21 @@ STREAMED_LINEAR(f32_streamed, f32_load8, f32_load1, 1)
 /* Weight-only int8: out [M, N] = x [M, K] (row stride ldx) W^T * scale[n] + bias[n], the codes
    converted in registers. */
 void int8_linear(float *out, const float *x, int64_t ldx, const int8_t *w, const float *scale,
-                 const float *bias, int64_t M, int64_t N, int64_t K, int nthreads) {
+                 const float *bias, int64_t M, int64_t N, int64_t K) {
+    const int nthreads = omp_get_max_threads();
     int8_streamed(out, x, ldx, w, K, scale, bias, M, N, K, nthreads);
 }
 
 /* Float32 weights: out [M, N] = x [M, K] (row stride ldx) W^T + bias[n] (may be NULL). */
 void f32_linear(float *out, const float *x, int64_t ldx, const float *w, const float *bias,
-                int64_t M, int64_t N, int64_t K, int nthreads) {
+                int64_t M, int64_t N, int64_t K) {
+    const int nthreads = omp_get_max_threads();
     f32_streamed(out, x, ldx, w, K * (int64_t)sizeof(float), NULL, bias, M, N, K, nthreads);
 }
 
 /* out [N, K] = W * scale[n]. */
-void int8_dequantize(float *out, const int8_t *w, const float *scale, int64_t N, int64_t K, int nthreads) {
+void int8_dequantize(float *out, const int8_t *w, const float *scale, int64_t N, int64_t K) {
+    const int nthreads = omp_get_max_threads();
     dequantize_rows(out, int8_row, w, scale, N, K, nthreads);
 }
 
@@ -75,14 +79,16 @@ static void int4_widen(float *dst, const void *weights, int64_t n, int64_t K) {
    out [M, N] = x [M, K] W^T + bias. */
 void int4_linear(float *out, const float *x, int64_t ldx, const uint8_t *w, const float *scale,
                  const float *minv, const float *bias, int64_t M, int64_t N, int64_t K,
-                 int64_t group, int nthreads) {
+                 int64_t group) {
+    const int nthreads = omp_get_max_threads();
     const int4_weights weights = {w, scale, minv, group};
     tiled_linear(out, x, ldx, int4_widen, &weights, NULL, bias, M, N, K, nthreads);
 }
 
 /* out [N, K] = the float weight of a group-wise int4 one. */
 void int4_dequantize(float *out, const uint8_t *w, const float *scale, const float *minv,
-                     int64_t N, int64_t K, int64_t group, int nthreads) {
+                     int64_t N, int64_t K, int64_t group) {
+    const int nthreads = omp_get_max_threads();
     const int4_weights weights = {w, scale, minv, group};
     dequantize_rows(out, int4_widen, &weights, NULL, N, K, nthreads);
 }
@@ -90,7 +96,8 @@ void int4_dequantize(float *out, const uint8_t *w, const float *scale, const flo
 /* Dynamic symmetric per-row int8: scale[m] = max|x[m]| / 127 (1 for a zero row),
    q[m, k] = round(x[m, k] / scale[m]) in [-127, 127]; row m at q + m * ldq, zero from K to ldq. */
 void quantize_rows_int8(int8_t *q, int64_t ldq, float *scale, const float *x, int64_t ldx,
-                        int64_t M, int64_t K, int nthreads) {
+                        int64_t M, int64_t K) {
+    const int nthreads = omp_get_max_threads();
     #pragma omp parallel for num_threads(nthreads) if (M * K >= 65536)
     for (int64_t m = 0; m < M; ++m) {
         const float *xr = x + m * ldx;
@@ -215,8 +222,8 @@ static void w8a8_offsets(int32_t offset[W8_NP * W8_PANEL], const int8_t *panels,
    Threads take groups of W8_NP panels; each runs every row tile of the input over its group
    while the group sits in cache. */
 void w8a8_linear(float *out, int8_t *xq, const float *xscale, const int8_t *w,
-                 const float *wscale, const float *bias, int64_t M, int64_t N, int64_t K,
-                 int nthreads) {
+                 const float *wscale, const float *bias, int64_t M, int64_t N, int64_t K) {
+    const int nthreads = omp_get_max_threads();
     const int64_t K4 = (K + 3) / 4, ldq = 4 * K4, P = (N + W8_PANEL - 1) / W8_PANEL;
     const int64_t groups = (P + W8_NP - 1) / W8_NP;
     if (W8_OFFSET)

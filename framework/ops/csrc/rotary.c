@@ -1,4 +1,5 @@
 /* Rotary position embedding applied in place to query and key rows. */
+#include <omp.h>
 #include "vec.h"
 
 static inline void rotate(float *x, const float *cos, const float *sin, int64_t half, int neox) {
@@ -16,9 +17,8 @@ static inline void rotate(float *x, const float *cos, const float *sin, int64_t 
    of each head rotate: halves (neox) or interleaved pairs (GPT-J). */
 void rotary_embedding(
     const int64_t *positions, float *q, int64_t q_stride, float *k, int64_t k_stride,
-    const float *cos_sin, int64_t T, int64_t H, int64_t KVH, int64_t D, int64_t rot, int neox,
-    int nthreads)
-{
+    const float *cos_sin, int64_t T, int64_t H, int64_t KVH, int64_t D, int64_t rot, int neox) {
+    const int nthreads = omp_get_max_threads();
     const int64_t half = rot / 2;
     #pragma omp parallel for num_threads(nthreads) if (T * (H + KVH) * D >= 65536)
     for (int64_t t = 0; t < T; ++t) {
