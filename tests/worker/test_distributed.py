@@ -294,6 +294,51 @@ def test_ray_executor_matches_tp1(tiny_models):
         ray.shutdown()
 
 
+@pytest.mark.slow
+def test_data_parallel_cores_as_ray_actors_then_one_is_killed(tiny_models):
+    """``data_parallel_backend="ray"``: two engine cores as Ray actors (a placement group of
+    one CPU each) on a local cluster the test starts, behind ``AsyncLLM``: one core's tokens,
+    both cores served requests. A killed core fails the in-flight stream within seconds
+    naming its rank; the actors and their placement are released. (Starting Ray takes
+    seconds: slow.)"""
+    ray = pytest.importorskip("ray")
+    path = tiny_models["qwen2"]
+    expected, _ = run_rounds(LLM(path, **SMALL_CACHE))
+    with pytest.raises(ValueError, match=r"data_parallel_backend='ray' runs engine cores as Ray actors behind AsyncLLM"):
+        LLM(path, data_parallel_backend="ray")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+
+    async def run() -> None:
+        engine = AsyncLLM.from_engine_args(
+            model=path, data_parallel_size=2, data_parallel_backend="ray", **SMALL_CACHE
+        )
+        try:
+            assert await run_rounds_async(engine) == expected
+            assert all(s["num_requests_routed"] > 0 for s in engine.engine_core.get_engine_stats())
+            assert ray.available_resources().get("CPU", 0) == 0
+            params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+            stream = await engine.add_request({"prompt_token_ids": [1, 2, 3]}, params)
+            await stream.__anext__()
+            # Both cores are idle, so the request went to the lowest rank.
+            os.kill(engine.engine_core.cores[0].pid, signal.SIGKILL)
+            start = time.monotonic()
+            with pytest.raises(RuntimeError, match=r"Ray actor of data-parallel rank 0, pid \d+\) died"):
+                async for _ in stream:
+                    pass
+            assert time.monotonic() - start < 5
+        finally:
+            engine.shutdown()
+
+    try:
+        asyncio.run(run())
+        deadline = time.monotonic() + 10
+        while ray.available_resources().get("CPU") != 2:
+            assert time.monotonic() < deadline, ray.available_resources()
+            time.sleep(0.1)
+    finally:
+        ray.shutdown()
+
+
 def test_data_parallel_server_balances_and_routes_aborts(tmp_path):
     """Two engine cores behind one server: all requests succeed, each core serves 30-70 %,
     /metrics shows both, and a client that hangs up frees its request on its own core."""
