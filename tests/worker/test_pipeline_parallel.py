@@ -260,21 +260,37 @@ def test_expert_parallel_settings_are_refused(tmp_path):
         EngineConfig(all2all_backend="pplx")
 
 
-def test_ep2_deepseek_v3_matches_one_process(tmp_path):
+def test_ep2_deepseek_v3_matches_one_process_then_an_expert_rank_is_killed(tmp_path):
     """32 experts, 16 whole ones per rank, tokens dispatched by a true all-to-all (the
     shared expert still sliced by tensor parallelism): one process's tokens, preemptions and
-    prefix hits; every block comes back. (The naive backend: the test below.)"""
+    prefix hits; every block comes back. (The naive backend: the test below.) Then the rank
+    holding experts 16-31 is killed mid-request: the next step fails within seconds naming
+    it (its peer, blocked in the all-to-all, is killed too)."""
     path = save_deepseek(tmp_path / "ep", "v3", n_routed_experts=32)[0]
     expected, expected_stats = run_rounds(LLM(path, **SMALL_CACHE))
     llm = LLM(path, tensor_parallel_size=2, enable_expert_parallel=True, all2all_backend="all_to_all", **SMALL_CACHE)
+    workers = worker_processes(os.getpid())
     try:
         tokens, stats = run_rounds(llm)
         assert tokens == expected
         for key in ("num_preemptions", "prefix_cache_hit_tokens", "kv_blocks_total"):
             assert stats[key] == expected_stats[key], key
         assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+        engine = llm.llm_engine
+        params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+        engine.add_request("doomed", {"prompt_token_ids": [1, 2, 3]}, params)
+        while not engine.step():
+            pass
+        os.kill(max(workers), signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"tensor-parallel worker rank 1 \(pid \d+\) was killed by signal 9 during execute_model"):
+            while engine.has_unfinished_requests():
+                engine.step()
+        assert time.monotonic() - start < 5
     finally:
         shutdown(llm)
+    assert not any(alive(p) for p in workers)
 
 
 def _moe_rank(rank: int, port: int, out: str) -> None:
