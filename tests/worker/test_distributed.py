@@ -294,6 +294,19 @@ def test_ray_executor_matches_tp1(tiny_models):
         ray.shutdown()
 
 
+def test_data_parallel_backend_settings_it_cannot_honour_are_refused(tiny_models):
+    """Before Ray is touched: an unknown backend, Ray for both the cores and their workers, and
+    a core that would run in the front end's process."""
+    with pytest.raises(ValueError, match=r"data_parallel_backend must be one of mp, ray, got 'uni'"):
+        EngineConfig(data_parallel_backend="uni")
+    with pytest.raises(ValueError, match=r"data_parallel_backend='ray' with distributed_executor_backend='ray' is not implemented"):
+        EngineConfig(data_parallel_backend="ray", distributed_executor_backend="ray")
+    with pytest.raises(ValueError, match=r"data_parallel_backend='ray' runs engine cores as Ray actors behind AsyncLLM"):
+        LLM(tiny_models["qwen2"], data_parallel_backend="ray")
+    with pytest.raises(ValueError, match=r"data_parallel_backend='ray' runs each engine core as a Ray actor; it cannot run in a thread"):
+        AsyncLLM.from_engine_args(model=tiny_models["qwen2"], data_parallel_backend="ray", engine_process=False)
+
+
 @pytest.mark.slow
 def test_data_parallel_cores_as_ray_actors_then_one_is_killed(tiny_models):
     """``data_parallel_backend="ray"``: two engine cores as Ray actors (a placement group of
@@ -304,8 +317,6 @@ def test_data_parallel_cores_as_ray_actors_then_one_is_killed(tiny_models):
     ray = pytest.importorskip("ray")
     path = tiny_models["qwen2"]
     expected, _ = run_rounds(LLM(path, **SMALL_CACHE))
-    with pytest.raises(ValueError, match=r"data_parallel_backend='ray' runs engine cores as Ray actors behind AsyncLLM"):
-        LLM(path, data_parallel_backend="ray")
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
 
     async def run() -> None:
