@@ -35,8 +35,8 @@ from tokenmill.engine.core_proc import (
     run_engine_core,
 )
 from tokenmill.engine.engine_core import EngineCore, EngineCoreOutputs
-from tokenmill.engine.ray_core import RayEngineCore
 from tokenmill.engine.input_processor import EngineCoreRequest
+from tokenmill.engine.ray_core import RayEngineCore
 
 logger = logging.getLogger(__name__)
 
