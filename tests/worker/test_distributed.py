@@ -10,6 +10,7 @@ import os
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -217,6 +218,16 @@ async def run_rounds_async(engine: AsyncLLM) -> list[list[int]]:
 SMALL_CACHE = dict(block_size=8, max_model_len=128, num_kv_blocks=16)
 
 
+def start_local_ray(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """``ray``, connected to a local cluster of 2 CPUs the test starts. Ray's memory monitor
+    is off: on the shared development machine other jobs push memory past its 95 % threshold,
+    and it kills actors for them."""
+    ray = pytest.importorskip("ray")
+    monkeypatch.setenv("RAY_memory_monitor_refresh_ms", "0")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    return ray
+
+
 def test_tp2_deepseek_matches_tp1_with_preemption_and_prefix_caching(tiny_models):
     """MLA heads and MoE experts split over ranks (DeepSeek-V3): tokens, preemptions and
     prefix-cache hits as with one rank, and every block comes back."""
@@ -274,13 +285,12 @@ def test_tp2_llama_behind_the_engine_process_then_a_worker_is_killed(tiny_models
     asyncio.run(run())
 
 
-def test_ray_executor_matches_tp1(tiny_models):
+def test_ray_executor_matches_tp1(tiny_models, monkeypatch):
     """Two Ray actors in a placement group on a local cluster the test starts, on Qwen2 (its
     query/key/value biases sharded with the heads); the same worker code as ``mp``."""
-    ray = pytest.importorskip("ray")
     path = tiny_models["qwen2"]
     expected, expected_stats = run_rounds(LLM(path, **SMALL_CACHE))
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray = start_local_ray(monkeypatch)
     try:
         llm = LLM(path, tensor_parallel_size=2, distributed_executor_backend="ray", **SMALL_CACHE)
         try:
@@ -308,16 +318,15 @@ def test_data_parallel_backend_settings_it_cannot_honour_are_refused(tiny_models
 
 
 @pytest.mark.slow
-def test_data_parallel_cores_as_ray_actors_then_one_is_killed(tiny_models):
+def test_data_parallel_cores_as_ray_actors_then_one_is_killed(tiny_models, monkeypatch):
     """``data_parallel_backend="ray"``: two engine cores as Ray actors (a placement group of
     one CPU each) on a local cluster the test starts, behind ``AsyncLLM``: one core's tokens,
     both cores served requests. A killed core fails the in-flight stream within seconds
     naming its rank; the actors and their placement are released. (Starting Ray takes
     seconds: slow.)"""
-    ray = pytest.importorskip("ray")
     path = tiny_models["qwen2"]
     expected, _ = run_rounds(LLM(path, **SMALL_CACHE))
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray = start_local_ray(monkeypatch)
 
     async def run() -> None:
         engine = AsyncLLM.from_engine_args(

@@ -41,6 +41,7 @@ from worker.test_distributed import (
     run_rounds,
     run_rounds_async,
     shutdown,
+    start_local_ray,
     worker_processes,
 )
 
@@ -183,12 +184,11 @@ def test_pp2_on_ray_matches_one_process_then_a_stage_dies(tiny_models, monkeypat
     prefix hits, both stages busy at once. Then the last stage's actor is killed mid-request:
     the next step fails within seconds naming its rank and stage, and every actor and the
     placement are released. (Starting Ray takes seconds: slow.)"""
-    ray = pytest.importorskip("ray")
     path = tiny_models["llama"]
     args = dict(SMALL_CACHE, long_prefill_token_threshold=16, enforce_eager=True)
     expected, expected_stats = run_rounds(LLM(path, **args))
     monkeypatch.setenv("TOKENMILL_PP_LAYER_PARTITION", "1,2")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray = start_local_ray(monkeypatch)
     try:
         llm = LLM(path, pipeline_parallel_size=2, distributed_executor_backend="ray", **args)
         core = llm.llm_engine.engine_core.engine_core
