@@ -11,6 +11,7 @@ import torch
 
 from tokenmill.engine_args import (
     ALL2ALL_BACKEND_NAMES,
+    DATA_PARALLEL_BACKENDS,
     HASH_ALGOS,
     LOGPROBS_MODES,
     DistributedExecutorBackend,
@@ -39,7 +40,7 @@ class EngineConfig(EngineArgs):
     (model path, HF config, platform, torch dtype, lengths).
 
     Settings whose feature has not landed (quantization without a registered method, pipeline
-    parallelism on Ray or with LoRA) raise ``ValueError`` rather than
+    parallelism with LoRA) raise ``ValueError`` rather than
     being ignored; so does
     ``gpu_memory_utilization`` (None: 0.9 on GPUs) on a CPU platform, and a tensor-parallel
     size that does not divide the model's attention heads.
@@ -58,6 +59,10 @@ class EngineConfig(EngineArgs):
     """``kv_transfer_config``, checked."""
     data_parallel_rank: int = field(init=False, default=0)
     """Which of the ``data_parallel_size`` engine cores this configuration builds."""
+    data_parallel_rank_local: int = field(init=False, default=0)
+    """Which engine core this is among those sharing its node's devices: its workers take the
+    devices after those of the cores before it (0 under Ray, which shows each core only its
+    own devices)."""
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
@@ -121,12 +126,23 @@ class EngineConfig(EngineArgs):
                 f"{', '.join(get_args(DistributedExecutorBackend))} or None, got "
                 f"{self.distributed_executor_backend!r}"
             )
+        if self.data_parallel_backend not in DATA_PARALLEL_BACKENDS:
+            raise ValueError(
+                f"data_parallel_backend must be one of {', '.join(DATA_PARALLEL_BACKENDS)}, "
+                f"got {self.data_parallel_backend!r}"
+            )
+        if self.data_parallel_backend == "ray" and self.distributed_executor_backend == "ray":
+            raise ValueError(
+                "data_parallel_backend='ray' with distributed_executor_backend='ray' is not "
+                "implemented: each engine core's Ray actor runs its workers as processes on its "
+                "node (distributed_executor_backend='mp')"
+            )
         if self.distributed_executor_backend == "uni" and self.world_size > 1:
             raise ValueError(
                 f"distributed_executor_backend='uni' runs one worker; tensor_parallel_size="
                 f"{self.tensor_parallel_size} x pipeline_parallel_size="
                 f"{self.pipeline_parallel_size} needs 'mp'"
-                + (" or 'ray'" if self.pipeline_parallel_size == 1 else "")
+                + " or 'ray'"
             )
         if self.tensor_parallel_size > 1 and self.speculative is not None:
             raise ValueError(
@@ -188,15 +204,11 @@ class EngineConfig(EngineArgs):
 
     def _refuse_missing_features(self) -> None:
         pp = self.pipeline_parallel_size
-        for feature, wanted in (
-            ("the ray executor", self.distributed_executor_backend == "ray"),
-            ("enable_lora", self.enable_lora),
-        ):
-            if pp > 1 and wanted:
-                raise ValueError(
-                    f"pipeline parallelism with {feature} is not implemented yet "
-                    f"(pipeline_parallel_size={pp}); leave pipeline_parallel_size at 1"
-                )
+        if pp > 1 and self.enable_lora:
+            raise ValueError(
+                f"pipeline parallelism with enable_lora is not implemented yet "
+                f"(pipeline_parallel_size={pp}); leave pipeline_parallel_size at 1"
+            )
 
     @property
     def world_size(self) -> int:

@@ -15,6 +15,9 @@ DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 
 DistributedExecutorBackend = Literal["uni", "mp", "ray"]
 
+DataParallelBackend = Literal["mp", "ray"]
+DATA_PARALLEL_BACKENDS: tuple[str, ...] = get_args(DataParallelBackend)
+
 All2AllBackendName = Literal["naive", "all_to_all"]
 ALL2ALL_BACKEND_NAMES: tuple[str, ...] = get_args(All2AllBackendName)
 
@@ -141,6 +144,11 @@ class EngineArgs:
         "data-parallel engine cores behind one front end (AsyncLLM, 'tokenmill serve'), each "
         "with its own executor and KV cache; requests go to the least loaded",
         flags=("-dp",),
+    )
+    data_parallel_backend: DataParallelBackend = _arg(
+        "mp",
+        "how the front end runs its engine cores: mp (a process each, on this machine) or ray "
+        "(a Ray actor each, placed with its workers on any node of a Ray cluster)",
     )
     distributed_executor_backend: DistributedExecutorBackend | None = _arg(
         None,

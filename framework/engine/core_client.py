@@ -36,6 +36,7 @@ from tokenmill.engine.core_proc import (
 )
 from tokenmill.engine.engine_core import EngineCore, EngineCoreOutputs
 from tokenmill.engine.input_processor import EngineCoreRequest
+from tokenmill.engine.ray_core import RayEngineCore
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +111,8 @@ class InprocClient(EngineCoreClient):
 class MPClient(EngineCoreClient):
     """Runs ``EngineCoreProc``'s busy loop in a spawned child process (or, with
     ``in_thread``, in a daemon thread of this one) and talks to it over ZMQ ``ipc://``
-    sockets in a private temporary directory.
+    sockets in a private temporary directory; with ``data_parallel_backend="ray"``, in a Ray
+    actor (``RayEngineCore``) over TCP sockets on this node's address.
 
     Requests go out from the caller's thread (always the same one). A thread of the client
     receives the core's messages and passes each ``EngineCoreOutputs`` to ``output_handler``;
@@ -126,31 +128,43 @@ class MPClient(EngineCoreClient):
         in_thread: bool = False,
     ) -> None:
         self.output_handler = output_handler
+        on_ray = config.data_parallel_backend == "ray"
+        if on_ray and in_thread:
+            raise ValueError(
+                "data_parallel_backend='ray' runs each engine core as a Ray actor; it cannot "
+                "run in a thread of the front end (engine_process=False)"
+            )
         self._dir = tempfile.mkdtemp(prefix="tokenmill-ipc-")
-        input_address = f"ipc://{os.path.join(self._dir, 'input')}"
-        output_address = f"ipc://{os.path.join(self._dir, 'output')}"
         self._context = zmq.Context()
         self._input = self._context.socket(zmq.PUSH)
         self._input.setsockopt(zmq.SNDHWM, 0)
         self._input.setsockopt(zmq.LINGER, 0)
-        self._input.bind(input_address)
         self._output = self._context.socket(zmq.PULL)
-        self._output.bind(output_address)
+        if on_ray:
+            host = f"tcp://{RayEngineCore.node_address()}"
+            input_address = f"{host}:{self._input.bind_to_random_port(host)}"
+            output_address = f"{host}:{self._output.bind_to_random_port(host)}"
+        else:
+            input_address = f"ipc://{os.path.join(self._dir, 'input')}"
+            output_address = f"ipc://{os.path.join(self._dir, 'output')}"
+            self._input.bind(input_address)
+            self._output.bind(output_address)
         self._stopping = False
         self._stats: dict[str, int] = {}
         self._num_added = 0
         self._owed_since = 0.0
         self._last_message = 0.0
-        args = (
-            config,
-            input_address,
-            output_address,
-            None if in_thread else os.getpid(),
-            plugins.runtime_registrations(),
-        )
+        registrations = [] if in_thread else plugins.runtime_registrations()
+        self._core: threading.Thread | multiprocessing.process.BaseProcess | RayEngineCore
+        parent_pid = None if in_thread else os.getpid()
+        args = (config, input_address, output_address, parent_pid, registrations)
         if in_thread:
-            self._core: threading.Thread | multiprocessing.process.BaseProcess = threading.Thread(
+            self._core = threading.Thread(
                 target=run_engine_core, args=args, name="tokenmill-engine-core", daemon=True
+            )
+        elif on_ray:
+            self._core = RayEngineCore(
+                config, (config, input_address, output_address, registrations)
             )
         else:
             self._core = multiprocessing.get_context("spawn").Process(
@@ -280,8 +294,9 @@ class MPClient(EngineCoreClient):
             except zmq.ZMQError:
                 pass
             self._core.join(SHUTDOWN_TIMEOUT_S)
-        if isinstance(self._core, multiprocessing.process.BaseProcess) and self._core.is_alive():
-            self._core.kill()
+        if not isinstance(self._core, threading.Thread):
+            if self._core.is_alive():
+                self._core.kill()
             self._core.join()
 
     def _close(self) -> None:

@@ -165,12 +165,12 @@ def run_engine_core(
     parent_pid: int | None,
     registrations: list[tuple[str, str, str]],
 ) -> None:
-    """Entry point of the engine-core process (or thread): repeat the parent's runtime plugin
-    registrations, build the ``EngineCore``, report ready (or the error that stopped it) and
-    run the busy loop."""
-    if parent_pid is not None:
-        for kind, name, target in registrations:
-            plugins.register(kind, name, target)
+    """Entry point of the engine-core process (or thread, or Ray actor): repeat the front
+    end's runtime plugin registrations (none in a thread, which shares them), build the
+    ``EngineCore``, report ready (or the error that stopped it) and run the busy loop.
+    ``parent_pid``: see ``EngineCoreProc``."""
+    for kind, name, target in registrations:
+        plugins.register(kind, name, target)
     context = zmq.Context()
     input_socket = context.socket(zmq.PULL)
     input_socket.connect(input_address)

@@ -2,12 +2,13 @@
 data-parallel client with its coordinator's load balancing, in one process).
 
 Each of the ``data_parallel_size`` cores is an ``MPClient`` (all started at once): its own
-busy-loop process, with its own executor (tensor-parallel workers too, when asked) and KV
-cache. A new request goes to the core with the lowest score ``waiting * 4 + running``,
-counted from the core's latest stats plus, as waiting, the requests sent to it that those
-stats had not yet received; ties go to the lowest rank. Aborts and finishes follow a request
-to the core that owns it. Every core's outputs reach one ``output_handler``; if any core dies,
-the engine is dead.
+busy-loop process (a Ray actor on any node of a Ray cluster with
+``data_parallel_backend="ray"``), with its own executor (tensor-parallel workers too, when
+asked) and KV cache. A new request goes to the core with the lowest score
+``waiting * 4 + running``, counted from the core's latest stats plus, as waiting, the
+requests sent to it that those stats had not yet received; ties go to the lowest rank.
+Aborts and finishes follow a request to the core that owns it. Every core's outputs reach
+one ``output_handler``; if any core dies, the engine is dead.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ class DPClient(EngineCoreClient):
         def start(rank: int) -> MPClient:
             core_config = copy.copy(config)
             core_config.data_parallel_rank = rank
+            core_config.data_parallel_rank_local = 0 if config.data_parallel_backend == "ray" else rank
             return MPClient(core_config, self._on_output)
 
         with concurrent.futures.ThreadPoolExecutor(size) as pool:

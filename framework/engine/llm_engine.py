@@ -32,6 +32,11 @@ class LLMEngine:
                 f"data_parallel_size={config.data_parallel_size}: data parallelism runs engine "
                 f"cores behind AsyncLLM or 'tokenmill serve'; the offline LLM runs one"
             )
+        if config.data_parallel_backend == "ray":
+            raise ValueError(
+                "data_parallel_backend='ray' runs engine cores as Ray actors behind AsyncLLM "
+                "or 'tokenmill serve'; the offline LLM runs its core in this process"
+            )
         self.config = resolve_config(config)
         tokenizer_path = config.tokenizer or config.model_path
         self.tokenizer = load_tokenizer(tokenizer_path)

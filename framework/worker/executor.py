@@ -5,10 +5,12 @@ rank; ``ray`` (``ray_executor``) a Ray actor per rank, on any node of a Ray clus
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, Literal, overload
 
+from tokenmill import envs
 from tokenmill.config import EngineConfig
 from tokenmill.core.scheduler_output import SchedulerOutput
 from tokenmill.interfaces.kv_cache_spec import KVCacheSpec
@@ -124,18 +126,52 @@ class UniProcExecutor(Executor):
 
 
 class DistributedExecutor(Executor):
-    """An executor whose ranks live elsewhere (processes, Ray actors): every call runs on all
-    ranks through ``_run_all``; the first rank that dies or fails marks the executor dead
-    (``_fail``), and every later call raises ``ExecutorDeadError`` with that reason."""
+    """An executor whose ranks live elsewhere (processes, Ray actors), laid out as vLLM's
+    (``rank = stage * tensor_parallel_size + tp_rank``). Every call goes to all ranks
+    (``_send``) and their answers come back in call order (``_gather``); a step sent with
+    ``non_block`` returns a future at once, so under pipeline parallelism the engine core can
+    send the next step while the stages still work on this one (the batch queue). The first
+    rank that dies or fails marks the executor dead (``_fail``), and every later call raises
+    ``ExecutorDeadError`` with that reason."""
 
     _dead: str | None = None
     _finalizer: Callable[[], Any]
     """Kills every rank and releases what the executor holds; runs at most once, also when
     the executor is garbage-collected (a ``weakref.finalize``)."""
 
-    def _run_all(self, method: str, args: tuple[Any, ...]) -> list[Any]:
-        """Run ``method`` on every rank; their results, rank 0 first."""
+    def __init__(self, config: EngineConfig) -> None:
+        self.world_size = config.world_size
+        self.tp_size = config.tensor_parallel_size
+        self.output_rank = output_rank(config)
+        self._pending: deque[tuple[str, Any, Future[ModelRunnerOutput]]] = deque()
+        """Steps sent whose answers are not gathered yet, oldest first: method, the
+        ``_send`` handle, the future."""
+        self._max_concurrent_batches = (
+            config.pipeline_parallel_size if envs.TOKENMILL_PP_BATCH_QUEUE else 1
+        )
+
+    def _send(self, method: str, args: tuple[Any, ...]) -> Any:
+        """Start ``method`` on every rank; a handle ``_gather`` takes back."""
         raise NotImplementedError
+
+    def _gather(self, method: str, handle: Any) -> list[Any]:
+        """Every rank's answer to the call ``handle`` names (the oldest not gathered yet),
+        rank 0 first; ``_fail`` on the first rank that died or raised."""
+        raise NotImplementedError
+
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, non_block: bool = False
+    ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
+        if self._dead is not None:
+            raise ExecutorDeadError(self._dead)
+        handle = self._send("execute_model", (scheduler_output,))
+        future = _StepFuture(self)
+        self._pending.append(("execute_model", handle, future))
+        return future if non_block else future.result()
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        return self._max_concurrent_batches
 
     def get_kv_cache_specs(self) -> dict[str, KVCacheSpec]:
         return self._call("get_kv_cache_specs")
@@ -149,16 +185,59 @@ class DistributedExecutor(Executor):
     def step_intervals(self) -> list[list[tuple[float, float]]]:
         return self._call_all("step_intervals")
 
+    def rank_name(self, rank: int) -> str:
+        """How errors name worker ``rank``: its stage too under pipeline parallelism."""
+        if self.world_size == self.tp_size:
+            return f"tensor-parallel worker rank {rank}"
+        stage, tp_rank = divmod(rank, self.tp_size)
+        return f"worker rank {rank} (pipeline stage {stage}, tensor-parallel rank {tp_rank})"
+
     def _call(self, method: str, *args: Any) -> Any:
         return self._call_all(method, *args)[0]
 
     def _call_all(self, method: str, *args: Any) -> list[Any]:
+        """Run ``method`` on every rank once the steps in flight are answered; the results,
+        rank 0 first."""
         if self._dead is not None:
             raise ExecutorDeadError(self._dead)
-        return self._run_all(method, args)
+        while self._pending:
+            self._gather_pending()
+        return self._gather(method, self._send(method, args))
+
+    def _gather_pending(self) -> None:
+        """Gather the oldest step in flight; if it fails, so do all the others."""
+        method, handle, future = self._pending[0]
+        try:
+            results = self._gather(method, handle)
+        except BaseException as e:
+            for _, _, f in self._pending:
+                f.set_exception(e)
+            self._pending.clear()
+            raise
+        self._pending.popleft()
+        future.set_result(results[self.output_rank])
 
     def _fail(self, reason: str) -> None:
         logger.error("%s; stopping every worker", reason)
         self._dead = reason
         self._finalizer()
         raise ExecutorDeadError(reason)
+
+
+class _StepFuture(Future):
+    """A step's result: waiting for it gathers the answers of the steps sent before it too."""
+
+    def __init__(self, executor: DistributedExecutor) -> None:
+        super().__init__()
+        self._executor = executor
+
+    def result(self, timeout: float | None = None) -> ModelRunnerOutput:
+        while not self.done():
+            self._executor._gather_pending()
+        return super().result(timeout)
+
+
+def output_rank(config: EngineConfig) -> int:
+    """The rank whose ``execute_model`` answer carries the step's tokens: the first rank of
+    the last pipeline stage."""
+    return config.tensor_parallel_size * (config.pipeline_parallel_size - 1)

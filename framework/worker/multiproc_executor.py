@@ -31,16 +31,13 @@ import time
 import traceback
 import weakref
 from collections import deque
-from concurrent.futures import Future
 from typing import Any
 
 import zmq
 
-from tokenmill import envs, plugins
+from tokenmill import plugins
 from tokenmill.config import EngineConfig
-from tokenmill.core.scheduler_output import SchedulerOutput
-from tokenmill.worker.executor import DistributedExecutor, ExecutorDeadError
-from tokenmill.worker.model_runner import ModelRunnerOutput
+from tokenmill.worker.executor import DistributedExecutor, ExecutorDeadError, output_rank
 from tokenmill.worker.worker import Worker
 
 POLL_INTERVAL_S = 0.1
@@ -65,16 +62,9 @@ def describe_exit(code: int) -> str:
 
 class MultiprocExecutor(DistributedExecutor):
     def __init__(self, config: EngineConfig) -> None:
-        self.world_size = config.world_size
-        self.tp_size = config.tensor_parallel_size
-        self.output_rank = output_rank(config)
+        super().__init__(config)
         self._early: list[deque[tuple[bool, Any]]] = [deque() for _ in range(self.world_size)]
         """Answers of a rank to calls after the one being gathered (a faster stage's)."""
-        self._pending: deque[tuple[str, Future]] = deque()
-        """Steps sent whose answers are not gathered yet, oldest first."""
-        self._max_concurrent_batches = (
-            config.pipeline_parallel_size if envs.TOKENMILL_PP_BATCH_QUEUE else 1
-        )
         self._dir = tempfile.mkdtemp(prefix="tokenmill-workers-")
         self._context = zmq.Context()
         reply_address = f"ipc://{os.path.join(self._dir, 'replies')}"
@@ -100,37 +90,11 @@ class MultiprocExecutor(DistributedExecutor):
             registrations = plugins.runtime_registrations()
             for rank, sock in enumerate(self._requests):
                 sock.send(pickle.dumps((config, rank, init_method, registrations)))
-            self._gather("startup")
+            self._gather("startup", None)
             self.worker_info = self._call_all("describe")[self.output_rank]
         except BaseException:
             self.shutdown()
             raise
-
-    def execute_model(
-        self, scheduler_output: SchedulerOutput, non_block: bool = False
-    ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
-        if self._dead is not None:
-            raise ExecutorDeadError(self._dead)
-        self._send("execute_model", (scheduler_output,))
-        future = _StepFuture(self)
-        self._pending.append(("execute_model", future))
-        return future if non_block else future.result()
-
-    @property
-    def max_concurrent_batches(self) -> int:
-        return self._max_concurrent_batches
-
-    def _gather_pending(self) -> None:
-        method, future = self._pending[0]
-        try:
-            results = self._gather(method)
-        except BaseException as e:
-            for _, f in self._pending:
-                f.set_exception(e)
-            self._pending.clear()
-            raise
-        self._pending.popleft()
-        future.set_result(results[self.output_rank])
 
     def shutdown(self) -> None:
         """Let the ranks leave their process group together, and only then exit (a gloo rank
@@ -149,19 +113,14 @@ class MultiprocExecutor(DistributedExecutor):
         self._dead = self._dead or "the executor was shut down"
         self._finalizer()
 
-    def _run_all(self, method: str, args: tuple[Any, ...]) -> list[Any]:
-        while self._pending:
-            self._gather_pending()
-        self._send(method, args)
-        return self._gather(method)
-
     def _send(self, method: str, args: tuple[Any, ...]) -> None:
         message = pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)
         for sock in self._requests:
             sock.send(message, copy=False)
 
-    def _gather(self, method: str) -> list[Any]:
-        """Every rank's answer to its oldest unanswered call."""
+    def _gather(self, method: str, handle: None) -> list[Any]:
+        """Each rank answers its calls in order: the first answer not taken yet is this
+        call's."""
         results: list[Any] = [None] * self.world_size
         pending = set(range(self.world_size))
         for rank in range(self.world_size):
@@ -191,13 +150,6 @@ class MultiprocExecutor(DistributedExecutor):
         results[rank] = value
         pending.discard(rank)
 
-    def rank_name(self, rank: int) -> str:
-        """How errors name worker ``rank``: its stage too under pipeline parallelism."""
-        if self.world_size == self.tp_size:
-            return f"tensor-parallel worker rank {rank}"
-        stage, tp_rank = divmod(rank, self.tp_size)
-        return f"worker rank {rank} (pipeline stage {stage}, tensor-parallel rank {tp_rank})"
-
     def _check_alive(self, method: str, but: int | None = None) -> None:
         """Fail if a worker (other than rank ``but``) has exited."""
         for rank, proc in enumerate(self.workers):
@@ -206,25 +158,6 @@ class MultiprocExecutor(DistributedExecutor):
                     f"{self.rank_name(rank)} (pid {proc.pid}) "
                     f"{describe_exit(proc.returncode)} during {method}"
                 )
-
-
-class _StepFuture(Future):
-    """A step's result: waiting for it gathers the answers of the steps sent before it too."""
-
-    def __init__(self, executor: MultiprocExecutor) -> None:
-        super().__init__()
-        self._executor = executor
-
-    def result(self, timeout: float | None = None) -> ModelRunnerOutput:
-        while not self.done():
-            self._executor._gather_pending()
-        return super().result(timeout)
-
-
-def output_rank(config: EngineConfig) -> int:
-    """The rank whose ``execute_model`` answer carries the step's tokens: the first rank of
-    the last pipeline stage."""
-    return config.tensor_parallel_size * (config.pipeline_parallel_size - 1)
 
 
 def _stop_workers(workers: list[subprocess.Popen], context: zmq.Context, ipc_dir: str) -> None:

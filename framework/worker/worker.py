@@ -48,8 +48,8 @@ class Worker:
     """Rank ``rank`` of ``config.world_size`` (stage ``rank // tensor_parallel_size``, TP rank
     ``rank % tensor_parallel_size``); with more than one rank,
     ``distributed_init_method`` (``tcp://host:port``) is where the ranks meet. ``local_rank``
-    is the device index on this node (default: after the devices of lower data-parallel
-    ranks' workers)."""
+    is the device index on this node (default: after the devices of the workers of the
+    data-parallel engine cores before this one on the node)."""
 
     def __init__(
         self,
@@ -65,7 +65,7 @@ class Worker:
         platform.set_num_threads(config)
         torch.manual_seed(config.seed)
         if local_rank is None:
-            local_rank = config.data_parallel_rank * config.world_size + rank
+            local_rank = config.data_parallel_rank_local * config.world_size + rank
         self.device = platform.device(local_rank)
         if config.world_size > 1:
             assert distributed_init_method is not None

@@ -10,6 +10,7 @@ import os
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -217,6 +218,16 @@ async def run_rounds_async(engine: AsyncLLM) -> list[list[int]]:
 SMALL_CACHE = dict(block_size=8, max_model_len=128, num_kv_blocks=16)
 
 
+def start_local_ray(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """``ray``, connected to a local cluster of 2 CPUs the test starts. Ray's memory monitor
+    is off: on the shared development machine other jobs push memory past its 95 % threshold,
+    and it kills actors for them."""
+    ray = pytest.importorskip("ray")
+    monkeypatch.setenv("RAY_memory_monitor_refresh_ms", "0")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    return ray
+
+
 def test_tp2_deepseek_matches_tp1_with_preemption_and_prefix_caching(tiny_models):
     """MLA heads and MoE experts split over ranks (DeepSeek-V3): tokens, preemptions and
     prefix-cache hits as with one rank, and every block comes back."""
@@ -274,13 +285,12 @@ def test_tp2_llama_behind_the_engine_process_then_a_worker_is_killed(tiny_models
     asyncio.run(run())
 
 
-def test_ray_executor_matches_tp1(tiny_models):
+def test_ray_executor_matches_tp1(tiny_models, monkeypatch):
     """Two Ray actors in a placement group on a local cluster the test starts, on Qwen2 (its
     query/key/value biases sharded with the heads); the same worker code as ``mp``."""
-    ray = pytest.importorskip("ray")
     path = tiny_models["qwen2"]
     expected, expected_stats = run_rounds(LLM(path, **SMALL_CACHE))
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray = start_local_ray(monkeypatch)
     try:
         llm = LLM(path, tensor_parallel_size=2, distributed_executor_backend="ray", **SMALL_CACHE)
         try:
@@ -290,6 +300,61 @@ def test_ray_executor_matches_tp1(tiny_models):
             assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
         finally:
             shutdown(llm)
+    finally:
+        ray.shutdown()
+
+
+def test_data_parallel_backend_settings_it_cannot_honour_are_refused(tiny_models):
+    """Before Ray is touched: an unknown backend, Ray for both the cores and their workers, and
+    a core that would run in the front end's process."""
+    with pytest.raises(ValueError, match=r"data_parallel_backend must be one of mp, ray, got 'uni'"):
+        EngineConfig(data_parallel_backend="uni")
+    with pytest.raises(ValueError, match=r"data_parallel_backend='ray' with distributed_executor_backend='ray' is not implemented"):
+        EngineConfig(data_parallel_backend="ray", distributed_executor_backend="ray")
+    with pytest.raises(ValueError, match=r"data_parallel_backend='ray' runs engine cores as Ray actors behind AsyncLLM"):
+        LLM(tiny_models["qwen2"], data_parallel_backend="ray")
+    with pytest.raises(ValueError, match=r"data_parallel_backend='ray' runs each engine core as a Ray actor; it cannot run in a thread"):
+        AsyncLLM.from_engine_args(model=tiny_models["qwen2"], data_parallel_backend="ray", engine_process=False)
+
+
+@pytest.mark.slow
+def test_data_parallel_cores_as_ray_actors_then_one_is_killed(tiny_models, monkeypatch):
+    """``data_parallel_backend="ray"``: two engine cores as Ray actors (a placement group of
+    one CPU each) on a local cluster the test starts, behind ``AsyncLLM``: one core's tokens,
+    both cores served requests. A killed core fails the in-flight stream within seconds
+    naming its rank; the actors and their placement are released. (Starting Ray takes
+    seconds: slow.)"""
+    path = tiny_models["qwen2"]
+    expected, _ = run_rounds(LLM(path, **SMALL_CACHE))
+    ray = start_local_ray(monkeypatch)
+
+    async def run() -> None:
+        engine = AsyncLLM.from_engine_args(
+            model=path, data_parallel_size=2, data_parallel_backend="ray", **SMALL_CACHE
+        )
+        try:
+            assert await run_rounds_async(engine) == expected
+            assert all(s["num_requests_routed"] > 0 for s in engine.engine_core.get_engine_stats())
+            assert ray.available_resources().get("CPU", 0) == 0
+            params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+            stream = await engine.add_request({"prompt_token_ids": [1, 2, 3]}, params)
+            await stream.__anext__()
+            # Both cores are idle, so the request went to the lowest rank.
+            os.kill(engine.engine_core.cores[0].pid, signal.SIGKILL)
+            start = time.monotonic()
+            with pytest.raises(RuntimeError, match=r"Ray actor of data-parallel rank 0, pid \d+\) died"):
+                async for _ in stream:
+                    pass
+            assert time.monotonic() - start < 5
+        finally:
+            engine.shutdown()
+
+    try:
+        asyncio.run(run())
+        deadline = time.monotonic() + 10
+        while ray.available_resources().get("CPU") != 2:
+            assert time.monotonic() < deadline, ray.available_resources()
+            time.sleep(0.1)
     finally:
         ray.shutdown()
 

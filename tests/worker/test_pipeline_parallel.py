@@ -41,6 +41,7 @@ from worker.test_distributed import (
     run_rounds,
     run_rounds_async,
     shutdown,
+    start_local_ray,
     worker_processes,
 )
 
@@ -71,14 +72,10 @@ def test_stage_layers_even_remainder_before_the_last_or_as_partitioned(monkeypat
 
 
 def test_settings_pipeline_parallelism_cannot_honour_are_refused(tiny_models, tmp_path, monkeypatch):
-    with pytest.raises(ValueError, match=r"distributed_executor_backend='uni' runs one worker.*pipeline_parallel_size=2 needs 'mp'$"):
+    with pytest.raises(ValueError, match=r"distributed_executor_backend='uni' runs one worker.*pipeline_parallel_size=2 needs 'mp' or 'ray'$"):
         EngineConfig(pipeline_parallel_size=2, distributed_executor_backend="uni")
-    for extra, feature in (
-        ({"distributed_executor_backend": "ray"}, "the ray executor"),
-        ({"enable_lora": True}, "enable_lora"),
-    ):
-        with pytest.raises(ValueError, match=rf"pipeline parallelism with {feature} is not implemented yet \(pipeline_parallel_size=2\)"):
-            EngineConfig(pipeline_parallel_size=2, **extra)
+    with pytest.raises(ValueError, match=r"pipeline parallelism with enable_lora is not implemented yet \(pipeline_parallel_size=2\)"):
+        EngineConfig(pipeline_parallel_size=2, enable_lora=True)
     llama = tiny_models["llama"]
     with pytest.raises(ValueError, match=r"pipeline_parallel_size=4 is larger than the model's 3 layers"):
         resolve_config(EngineConfig(model=llama, pipeline_parallel_size=4))
@@ -180,6 +177,52 @@ def test_pp2_behind_the_engine_process_then_a_stage_is_killed(tiny_models):
     asyncio.run(run())
 
 
+@pytest.mark.slow
+def test_pp2_on_ray_matches_one_process_then_a_stage_dies(tiny_models, monkeypatch):
+    """Two stages as Ray actors on a local cluster the test starts, through the same batch
+    queue as ``mp`` (chunked prefill): one process's tokens and stats with preemption and
+    prefix hits, both stages busy at once. Then the last stage's actor is killed mid-request:
+    the next step fails within seconds naming its rank and stage, and every actor and the
+    placement are released. (Starting Ray takes seconds: slow.)"""
+    path = tiny_models["llama"]
+    args = dict(SMALL_CACHE, long_prefill_token_threshold=16, enforce_eager=True)
+    expected, expected_stats = run_rounds(LLM(path, **args))
+    monkeypatch.setenv("TOKENMILL_PP_LAYER_PARTITION", "1,2")
+    ray = start_local_ray(monkeypatch)
+    try:
+        llm = LLM(path, pipeline_parallel_size=2, distributed_executor_backend="ray", **args)
+        core = llm.llm_engine.engine_core.engine_core
+        executor = core.executor
+        try:
+            tokens, stats = run_rounds(llm)
+            assert tokens == expected
+            for key in ("num_preemptions", "prefix_cache_hit_tokens", "kv_blocks_total"):
+                assert stats[key] == expected_stats[key], key
+            assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+            first, last = executor.step_intervals()
+            assert overlap_s(first, last) > 0
+
+            engine = llm.llm_engine
+            params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+            engine.add_request("doomed", {"prompt_token_ids": [1, 2, 3]}, params)
+            while not engine.step():
+                pass
+            ray.kill(executor.workers[1])
+            start = time.monotonic()
+            with pytest.raises(RuntimeError, match=r"worker rank 1 \(pipeline stage 1, tensor-parallel rank 0\) \(Ray actor\) died during execute_model"):
+                while engine.has_unfinished_requests():
+                    engine.step()
+            assert time.monotonic() - start < 5
+        finally:
+            shutdown(llm)
+        deadline = time.monotonic() + 10
+        while ray.available_resources().get("CPU") != 2:
+            assert time.monotonic() < deadline, ray.available_resources()
+            time.sleep(0.1)
+    finally:
+        ray.shutdown()
+
+
 DEFAULT_MODEL_PROMPTS = random_prompts(49152, (7, 19, 33, 50, 3, 26), seed=2)
 DEFAULT_MODEL_ARGS = dict(block_size=16, max_model_len=512, num_kv_blocks=128)
 
@@ -217,21 +260,37 @@ def test_expert_parallel_settings_are_refused(tmp_path):
         EngineConfig(all2all_backend="pplx")
 
 
-def test_ep2_deepseek_v3_matches_one_process(tmp_path):
+def test_ep2_deepseek_v3_matches_one_process_then_an_expert_rank_is_killed(tmp_path):
     """32 experts, 16 whole ones per rank, tokens dispatched by a true all-to-all (the
     shared expert still sliced by tensor parallelism): one process's tokens, preemptions and
-    prefix hits; every block comes back. (The naive backend: the test below.)"""
+    prefix hits; every block comes back. (The naive backend: the test below.) Then the rank
+    holding experts 16-31 is killed mid-request: the next step fails within seconds naming
+    it (its peer, blocked in the all-to-all, is killed too)."""
     path = save_deepseek(tmp_path / "ep", "v3", n_routed_experts=32)[0]
     expected, expected_stats = run_rounds(LLM(path, **SMALL_CACHE))
     llm = LLM(path, tensor_parallel_size=2, enable_expert_parallel=True, all2all_backend="all_to_all", **SMALL_CACHE)
+    workers = worker_processes(os.getpid())
     try:
         tokens, stats = run_rounds(llm)
         assert tokens == expected
         for key in ("num_preemptions", "prefix_cache_hit_tokens", "kv_blocks_total"):
             assert stats[key] == expected_stats[key], key
         assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+        engine = llm.llm_engine
+        params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+        engine.add_request("doomed", {"prompt_token_ids": [1, 2, 3]}, params)
+        while not engine.step():
+            pass
+        os.kill(max(workers), signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"tensor-parallel worker rank 1 \(pid \d+\) was killed by signal 9 during execute_model"):
+            while engine.has_unfinished_requests():
+                engine.step()
+        assert time.monotonic() - start < 5
     finally:
         shutdown(llm)
+    assert not any(alive(p) for p in workers)
 
 
 def _moe_rank(rank: int, port: int, out: str) -> None:
