@@ -96,12 +96,15 @@ def default_llm(default_model_dir):
 @pytest.fixture(scope="session")
 def default_server():
     """One ``tokenmill serve`` of the default model with the default flags plus
-    ``--enable-prompt-tokens-details`` (so usage shows cached tokens), shared by every module
-    that needs no other flags (a server takes tens of seconds to start on 2 cores); a test that
-    changes what a later test sees leaves it idle (``RemoteServer.wait_idle``)."""
+    ``--enable-prompt-tokens-details`` (so usage shows cached tokens) and the Hermes tool-call
+    parser (``--enable-auto-tool-choice``, for tests/server/test_tool_calls.py), shared by every
+    module that needs no other flags (a server takes tens of seconds to start on 2 cores); a
+    test that changes what a later test sees leaves it idle (``RemoteServer.wait_idle``)."""
     from server.test_server import RemoteServer
 
-    srv = RemoteServer("--enable-prompt-tokens-details")
+    srv = RemoteServer(
+        "--enable-prompt-tokens-details", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"
+    )
     yield srv
     srv.stop()
 

@@ -5,7 +5,8 @@ parser, and those in :data:`RUN` (plus the README's three server commands) are e
 other command must be listed in :data:`NOT_RUN` with the reason and the test that runs it. Inline
 commands (`python benchmarks/...`, `tokenmill ...` in prose) name a script that exists and flags
 it defines. A new command in the docs fails :func:`test_every_shell_command_is_checked` until it
-is run here or listed.
+is run here or listed. Every ```python block (the plugins page's aside, see
+:data:`PYTHON_DOCS`) runs here or is listed in :data:`PYTHON_NOT_RUN`.
 """
 
 from __future__ import annotations
@@ -15,13 +16,10 @@ import json
 import re
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 import tokenmill
@@ -186,9 +184,14 @@ def replace_llm(monkeypatch: pytest.MonkeyPatch, build) -> None:
 
 
 @pytest.fixture
-def shared_engines(engines, default_model_dir, monkeypatch) -> None:
+def shared_engines(engines, default_llm, monkeypatch) -> None:
+    """Commands that build the default engine get the shared ``default_llm`` (its KV cache is
+    256 MiB instead of the default size); others one engine per set of arguments."""
+
     def build(**kwargs) -> LLM:
         key = repr(EngineArgs(**kwargs))
+        if key == repr(EngineArgs()):
+            return default_llm
         if key not in engines:
             engines[key] = LLM(**kwargs)
         return engines[key]
@@ -218,53 +221,165 @@ def test_documented_cli_command_runs(command, shared_engines, monkeypatch, capsy
         assert all(a["text"] for a in answers)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _readme_line(start: str) -> str:
     [line] = [c for name, c in shell_commands() if name == "README.md" and c.startswith(start)]
     return line
 
 
-def test_readme_server_commands_run(default_model_dir, tmp_path):
-    port = str(_free_port())
+def test_readme_server_commands_run(default_server):
+    """The README's server is the shared ``default_server``: the same ``tokenmill serve`` with the
+    test flags added (a free port, a smaller KV cache, prompt token details); its curl and
+    benchmark commands run as written against that server's URL."""
+    serve = shlex.split(_readme_line(SERVE))
+    launched = default_server.proc.args
+    assert serve[1] == "serve" and launched[launched.index("serve") - 1] == "tokenmill"
+    for flag, value in zip(serve[2::2], serve[3::2]):
+        assert flag in launched, f"the shared server is not started with {flag}"
+        assert flag == "--port" or launched[launched.index(flag) + 1] == value
 
     def local(line: str) -> list[str]:
-        words = shlex.split(line.replace("8000", port))
+        words = shlex.split(line.replace("http://127.0.0.1:8000", default_server.url))
         return [sys.executable, "-m", "tokenmill", *words[1:]] if words[0] == "tokenmill" else words
 
-    log = (tmp_path / "server.log").open("w")
-    server = subprocess.Popen(local(_readme_line(SERVE)), stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 240
-        while True:
-            assert server.poll() is None, (tmp_path / "server.log").read_text()
-            assert time.monotonic() < deadline, "the server did not become healthy"
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
-        assert shutil.which("curl"), "curl is needed to run the README's curl command"
-        curl = subprocess.run(local(_readme_line(CURL)), capture_output=True, text=True, check=True)
-        assert json.loads(curl.stdout)["choices"][0]["text"]
-        bench = local(_readme_line(BENCH_SERVE).replace("--num-prompts 100", "--num-prompts 4 --random-output-len 8"))
-        report = subprocess.run(bench, capture_output=True, text=True, timeout=300)
-        assert report.returncode == 0, report.stderr
-        assert re.search(r"[Ss]uccessful requests:\s+4\b", report.stdout), report.stdout
-    finally:
-        server.terminate()
-        server.wait(30)
-        log.close()
+    assert shutil.which("curl"), "curl is needed to run the README's curl command"
+    curl = subprocess.run(local(_readme_line(CURL)), capture_output=True, text=True, check=True)
+    assert json.loads(curl.stdout)["choices"][0]["text"]
+    bench = local(_readme_line(BENCH_SERVE).replace("--num-prompts 100", "--num-prompts 4 --random-output-len 8"))
+    report = subprocess.run(bench, capture_output=True, text=True, timeout=300)
+    assert report.returncode == 0, report.stderr
+    assert re.search(r"[Ss]uccessful requests:\s+4\b", report.stdout), report.stdout
+    default_server.wait_idle()
 
 
-def test_readme_python_example_runs(shared_engines, capsys):
-    text = (ROOT / "README.md").read_text()
-    [example] = re.findall(r"```python\n(.*?)```", text, re.S)
-    assert len(example.splitlines()) <= 10
-    exec(compile(example, "README.md", "exec"), {})
-    out = capsys.readouterr().out
-    assert out.count("\n") >= 3
+PYTHON_DOCS = [path for path in DOCS if path.name != "plugins.md"]
+"""The docs whose ```python blocks run here; docs/plugins.md's are the example plugin's code
+(tests/plugins/test_example_plugin.py runs that) and its tiny-checkpoint recipe
+(tests/plugins/test_plugins.py runs those blocks in order)."""
+
+
+def python_blocks() -> dict[str, str]:
+    """``"<file>#<n>"`` (the n-th ```python block of the file, from 1) -> its code."""
+    blocks = {}
+    for path in PYTHON_DOCS:
+        for n, code in enumerate(re.findall(r"^```python\n(.*?)^```", path.read_text(), re.S | re.M), start=1):
+            blocks[f"{path.name}#{n}"] = code
+    return blocks
+
+
+def _prints_three_lines(namespace: dict, out: str) -> None:
+    assert out.count("\n") >= 3 and namespace["outs"][0].outputs[0].text
+
+
+def _prints_json_with_a_city(namespace: dict, out: str) -> None:
+    assert re.match(r'\{\s*"city"\s*:\s*"', out.strip()), out
+
+
+ON_DEFAULT_MODEL = {
+    "README.md#1": _prints_three_lines,
+    "structured_outputs.md#1": _prints_json_with_a_city,
+}
+"""Blocks that build ``LLM()``: run on the shared ``default_llm`` (the default model with a
+256 MiB KV cache instead of the default size) -> the check of what they printed."""
+
+ON_TINY_MODEL = {
+    "kv_transfer.md#1": {"/tmp/kv": "kv"},
+    "quantization.md#1": {},
+    "lora.md#1": {"/path/to/": ""},
+}
+"""Blocks that build engines with other settings: run on a tiny Llama with a byte tokenizer (its
+path given as ``model`` where the block gives none), in a folder holding the files they name ->
+the replacements made to their paths first."""
+
+SAME_AS = {"usage.md#1": "README.md#1"}
+"""Blocks whose code is another block's, which runs it."""
+
+HOOKS = ["architecture.md#1", "kv_transfer.md#2"]
+"""Hook implementations: defined, then called with a recorder of what they register."""
+
+PYTHON_NOT_RUN = {
+    "scaling_out.md#1": "tensor_parallel_size=3: three worker processes of the default model take minutes on 2 cores; "
+    "tests/worker/test_distributed.py runs tensor parallelism at 3 ranks on the default model's twin and tiny models",
+    "scaling_out.md#2": "pipeline_parallel_size=2 x tensor_parallel_size=3: six worker processes; "
+    "tests/worker/test_pipeline_parallel.py runs pipeline and tensor parallelism together on tiny models",
+}
+"""Python blocks not run here -> why, and the test that runs what they show."""
+
+
+def test_every_python_block_is_run_or_listed():
+    handled = [*ON_DEFAULT_MODEL, *ON_TINY_MODEL, *SAME_AS, *HOOKS, *PYTHON_NOT_RUN]
+    assert len(handled) == len(set(handled))
+    blocks = python_blocks()
+    assert sorted(blocks) == sorted(handled), "run new ```python blocks here or list them in PYTHON_NOT_RUN"
+    for block, runner in SAME_AS.items():
+        assert blocks[block] == blocks[runner], f"{block} differs from {runner}: run it on its own"
+
+
+@pytest.mark.parametrize("block", list(ON_DEFAULT_MODEL))
+def test_python_block_runs_on_the_default_model(block, default_llm, monkeypatch, capsys):
+    def build(**kwargs) -> LLM:
+        assert kwargs == {}, f"{block} builds LLM({kwargs}): run it in ON_TINY_MODEL"
+        return default_llm
+
+    replace_llm(monkeypatch, build)
+    code, namespace = python_blocks()[block], {}
+    assert block != "README.md#1" or len(code.splitlines()) <= 10
+    exec(compile(code, block, "exec"), namespace)
+    ON_DEFAULT_MODEL[block](namespace, capsys.readouterr().out)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_with_tokenizer(tmp_path_factory) -> Path:
+    from conftest import make_tiny_checkpoint, save_byte_tokenizer
+
+    path = Path(make_tiny_checkpoint(tmp_path_factory.mktemp("tiny_llama")))
+    save_byte_tokenizer(path)
+    return path
+
+
+def _write_named_files(folder: Path, tiny: Path) -> None:
+    """What the tiny-model blocks name: a GPTQ checkpoint and two PEFT adapters of ``tiny``."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from support.quant_checkpoints import quantized_variant
+
+    quantized_variant(tiny, folder / "some-gptq-checkpoint", "gptq", folder / "gptq-reference")
+    for name in ("sql-adapter", "chat-adapter"):
+        base = AutoModelForCausalLM.from_pretrained(str(tiny))
+        get_peft_model(base, LoraConfig(r=8, target_modules=["q_proj", "v_proj"])).save_pretrained(str(folder / name))
+
+
+@pytest.mark.parametrize("block", list(ON_TINY_MODEL))
+def test_python_block_runs_on_a_tiny_model(block, tiny_llama_with_tokenizer, tmp_path, monkeypatch):
+    built: list[LLM] = []
+
+    def build(**kwargs) -> LLM:
+        kwargs.setdefault("model", str(tiny_llama_with_tokenizer))
+        built.append(LLM(**kwargs, max_model_len=256, num_kv_blocks=64))
+        return built[-1]
+
+    _write_named_files(tmp_path, tiny_llama_with_tokenizer)
+    monkeypatch.chdir(tmp_path)
+    replace_llm(monkeypatch, build)
+    code = python_blocks()[block]
+    for old, new in ON_TINY_MODEL[block].items():
+        assert old in code
+        code = code.replace(old, new)
+    exec(compile(code, block, "exec"), {})
+    assert built and all(llm.generate("Hi", use_tqdm=False)[0].outputs[0].token_ids for llm in built)
+
+
+@pytest.mark.parametrize("block", HOOKS)
+def test_python_block_hook_registers(block):
+    from tokenmill.plugins import hookimpl
+
+    namespace: dict = {"hookimpl": hookimpl}
+    exec(compile(python_blocks()[block], block, "exec"), namespace)
+    hooks = [f for name, f in namespace.items() if name.startswith("register_") and callable(f)]
+    assert hooks
+    registered: list[tuple[str, str]] = []
+    for hook in hooks:
+        before = len(registered)
+        hook(lambda name, target: registered.append((name, target)))
+        assert len(registered) > before, f"{hook.__name__} registers nothing"
+    assert all(":" in target for _, target in registered), registered

@@ -144,8 +144,8 @@ def test_duplicate_request_id(llm):
     _still_serving(llm)
 
 
-def test_empty_text_prompt(default_model_dir):
-    llm = LLM(kv_cache_memory_bytes=32 << 20)
+def test_empty_text_prompt(default_llm):
+    llm = default_llm
     with pytest.raises(ValueError, match="empty"):
         llm.generate("", use_tqdm=False)
     out = llm.generate("Hi", SamplingParams(max_tokens=2), use_tqdm=False)[0]

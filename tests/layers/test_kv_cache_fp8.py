@@ -222,7 +222,7 @@ def _top1(llm: LLM, windows: list[list[int]]) -> list[int]:
     ]
 
 
-def test_default_model_agrees_with_float32_cache(default_tokenizer):
+def test_default_model_agrees_with_float32_cache(default_llm, default_tokenizer):
     """teacher-forced on a fixed English text (16 windows of 40 tokens, their last 32 positions): the FP8-cache model's
     top next token equals the float32-cache model's at >= 93 % of positions (with
     ``calculate_kv_scales``; measured 95 %, and 94 % with scales of 1.0)"""
@@ -230,7 +230,7 @@ def test_default_model_agrees_with_float32_cache(default_tokenizer):
     width = POSITIONS + 8
     stride = (len(ids) - width) // (WINDOWS - 1)  # overlapping windows, each its own context
     windows = [ids[i * stride : i * stride + width] for i in range(WINDOWS)]
-    reference = _top1(LLM(num_kv_blocks=64, enable_prefix_caching=False), windows)
+    reference = _top1(default_llm, windows)
     fp8 = LLM(kv_cache_dtype="fp8", calculate_kv_scales=True, num_kv_blocks=64)
     agree = [a == b for a, b in zip(_top1(fp8, windows), reference)]
     assert len(agree) == WINDOWS * POSITIONS

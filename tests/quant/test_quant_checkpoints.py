@@ -9,79 +9,15 @@ import json
 import shutil
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import make_tiny_checkpoint
+from support.quant_checkpoints import quantized_variant
 from tokenmill import LLM
 from tokenmill.layers.linear import LinearBase
 from tokenmill.testing.checkpoints import engine_greedy, random_prompts
-
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-GROUP = 32
-AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
-
-
-def _pack_rows(values: np.ndarray) -> np.ndarray:
-    """GPTQ's qweight packing: eight 4-bit rows per int32 row, row ``8i + j`` at bits ``4j``."""
-    out = np.zeros((values.shape[0] // 8, values.shape[1]), dtype=np.uint32)
-    for j in range(8):
-        out |= values[j::8].astype(np.uint32) << (4 * j)
-    return out.view(np.int32)
-
-
-def _pack_columns(values: np.ndarray, order=tuple(range(8))) -> np.ndarray:
-    """Eight 4-bit columns per int32: nibble ``i`` holds column ``8c + order[i]``."""
-    out = np.zeros((values.shape[0], values.shape[1] // 8), dtype=np.uint32)
-    for i in range(8):
-        out |= values[:, order[i]::8].astype(np.uint32) << (4 * i)
-    return out.view(np.int32)
-
-
-def _quantized_variant(src: Path, dst: Path, fmt: str, ref: Path) -> None:
-    """Write ``dst``: ``src`` with its linear weights replaced by random int4 codes (``fmt``
-    gptq or awq) or FP8 values, and ``ref``: a float checkpoint of the dequantized weights."""
-    shutil.copytree(src, dst)
-    shutil.copytree(src, ref)
-    tensors = load_file(str(src / "model.safetensors"))
-    quant, floats = {}, {}
-    gen = torch.Generator().manual_seed(1)
-    for name, w in tensors.items():
-        if not any(f".{p}.weight" in name for p in LINEARS):
-            quant[name] = floats[name] = w
-            continue
-        base = name.removesuffix(".weight")
-        n, k = w.shape
-        if fmt == "fp8":
-            scale = w.abs().amax() / 448
-            q = (w / scale).to(torch.float8_e4m3fn)
-            quant[name], quant[f"{base}.weight_scale"] = q, scale.reshape(1)
-            floats[name] = q.float() * scale
-            continue
-        codes = torch.randint(0, 16, (k, n), generator=gen)
-        zeros = torch.randint(1, 16, (k // GROUP, n), generator=gen)
-        scales = (torch.rand(k // GROUP, n, generator=gen) * 0.02 + 0.01).half()
-        groups = torch.arange(k) // GROUP
-        floats[name] = ((codes - zeros[groups]) * scales.float()[groups]).T.contiguous()
-        if fmt == "gptq":
-            quant[f"{base}.qweight"] = torch.from_numpy(_pack_rows(codes.numpy()))
-            quant[f"{base}.qzeros"] = torch.from_numpy(_pack_columns((zeros - 1).numpy()))
-            quant[f"{base}.g_idx"] = groups.to(torch.int32)
-        else:
-            quant[f"{base}.qweight"] = torch.from_numpy(_pack_columns(codes.numpy(), AWQ_ORDER))
-            quant[f"{base}.qzeros"] = torch.from_numpy(_pack_columns(zeros.numpy(), AWQ_ORDER))
-        quant[f"{base}.scales"] = scales
-    save_file(quant, str(dst / "model.safetensors"))
-    save_file(floats, str(ref / "model.safetensors"))
-    config = json.loads((dst / "config.json").read_text())
-    config["quantization_config"] = {
-        "gptq": {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": False, "sym": False},
-        "awq": {"quant_method": "awq", "bits": 4, "group_size": GROUP, "zero_point": True, "version": "gemm"},
-        "fp8": {"quant_method": "fp8", "activation_scheme": "dynamic"},
-    }[fmt]
-    (dst / "config.json").write_text(json.dumps(config))
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +35,7 @@ ENGINE = dict(block_size=8, max_model_len=256, num_kv_blocks=64)
 @pytest.mark.parametrize("fmt", ["gptq", "awq", "fp8"])
 def test_checkpoint_loads_as_stored(tiny, tmp_path, fmt):
     quant, ref = tmp_path / fmt, tmp_path / "reference"
-    _quantized_variant(tiny, quant, fmt, ref)
+    quantized_variant(tiny, quant, fmt, ref)
     llm = LLM(model=str(quant), **ENGINE)
     floats = load_file(str(ref / "model.safetensors"))
     layers = {m.prefix: m for m in _model(llm).modules() if isinstance(m, LinearBase)}
@@ -115,7 +51,7 @@ def test_checkpoint_loads_as_stored(tiny, tmp_path, fmt):
 
 def test_compressed_tensors_fp8_checkpoint_keeps_ignored_layers_float(tiny, tmp_path):
     quant, ref = tmp_path / "ct", tmp_path / "reference"
-    _quantized_variant(tiny, quant, "fp8", ref)
+    quantized_variant(tiny, quant, "fp8", ref)
     tensors = load_file(str(quant / "model.safetensors"))
     floats = load_file(str(ref / "model.safetensors"))
     for name in [n for n in tensors if ".mlp.down_proj." in n]:  # the ignored layers: float
@@ -187,7 +123,7 @@ def test_unknown_method_and_platform_refusal_name_what_would_run(tiny, monkeypat
 
 def test_act_order_g_idx_is_refused(tiny, tmp_path):
     quant, ref = tmp_path / "gptq", tmp_path / "reference"
-    _quantized_variant(tiny, quant, "gptq", ref)
+    quantized_variant(tiny, quant, "gptq", ref)
     tensors = load_file(str(quant / "model.safetensors"))
     name = "model.layers.0.mlp.down_proj.g_idx"
     tensors[name] = tensors[name].flip(0).contiguous()
@@ -223,7 +159,7 @@ def test_gptq_placeholder_biases_are_skipped_when_zero(tiny, tmp_path):
     """GPTQ tools store zero ``.bias`` tensors for bias-free layers; they are skipped (as vLLM
     skips them), and one with non-zero values is refused by name."""
     quant, ref = tmp_path / "gptq", tmp_path / "reference"
-    _quantized_variant(tiny, quant, "gptq", ref)
+    quantized_variant(tiny, quant, "gptq", ref)
     tensors = load_file(str(quant / "model.safetensors"))
     for name in [n for n in tensors if n.endswith(".scales")]:
         tensors[name.replace(".scales", ".bias")] = torch.zeros(tensors[name].shape[1], dtype=torch.float16)

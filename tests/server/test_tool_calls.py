@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from server.test_server import MODEL, RemoteServer, assert_openai_error
+from server.test_server import MODEL, assert_openai_error
 
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
@@ -48,10 +48,10 @@ QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
-def server():
-    srv = RemoteServer("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
-    yield srv
-    srv.stop()
+def server(default_server):
+    """The shared server, which runs the Hermes tool-call parser; left idle for the next module."""
+    yield default_server
+    default_server.wait_idle()
 
 
 @pytest.fixture(scope="module")

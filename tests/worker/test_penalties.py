@@ -148,10 +148,10 @@ def test_greedy_under_repetition_penalty_matches_hf(default_llm, hf_default_mode
         assert out.outputs[0].token_ids == ref, prompt
 
 
-def test_bad_words_are_never_generated(default_model_dir, default_tokenizer):
+def test_bad_words_are_never_generated(default_llm, default_tokenizer):
     """A one-token bad word is never sampled (the runner-up takes its place); of a two-token
     one, the second token is banned right after the first."""
-    llm = LLM(default_model_dir, num_kv_blocks=128, max_model_len=256)
+    llm = default_llm
     prompt = "The capital of France is"
     greedy = SamplingParams(temperature=0, max_tokens=8, logprobs=2)
     ref = llm.generate([prompt], greedy, use_tqdm=False)[0].outputs[0]
@@ -175,11 +175,11 @@ def test_bad_words_are_never_generated(default_model_dir, default_tokenizer):
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
 
 
-def test_bad_words_hold_for_every_completion_of_n(default_model_dir, default_tokenizer):
+def test_bad_words_hold_for_every_completion_of_n(default_llm, default_tokenizer):
     """Each of the ``n`` completions avoids the bad word exactly as the ``n == 1`` request does
     (``top_k=1`` makes sampling deterministic, so every field must match; logprobs up to the
     rounding of a batch of two rows against one)."""
-    llm = LLM(default_model_dir, num_kv_blocks=128, max_model_len=256)
+    llm = default_llm
     prompt = "The capital of France is"
     first = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
     word = default_tokenizer.decode(first[0].outputs[0].token_ids)
