@@ -46,13 +46,11 @@ def gemm_flops(size: int = 1024, repeats: int = 5) -> float:
 
 
 def decode_bytes_per_token(model: nn.Module, hf_config, context_len: int, kv_bytes: int) -> int:
-    """Bytes one decode token reads: every weight tensor once (parameters and buffers, a tensor
-    shared by two modules once; an input embedding table not shared with the LM head reads one
-    row, counted as none), plus the KV cache of ``context_len`` tokens at ``kv_bytes`` per
-    element."""
-    seen: dict[int, int] = {}
-    for tensor in [*model.parameters(), *model.buffers()]:
-        seen[tensor.data_ptr()] = tensor.nbytes
+    """Bytes one decode token reads: every weight once (the model's parameters as loaded, a
+    tensor shared by two modules once; an input embedding table not shared with the LM head
+    reads one row, counted as none; buffers such as RoPE tables are read a row at a time,
+    counted as none), plus the KV cache of ``context_len`` tokens at ``kv_bytes`` per element."""
+    seen = {p.data_ptr(): p.nbytes for p in model.parameters()}
     for name, module in model.named_modules():
         if isinstance(module, nn.Embedding) or name.endswith("embed_tokens"):
             weight = getattr(module, "weight", None)
