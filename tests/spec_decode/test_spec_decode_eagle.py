@@ -88,7 +88,7 @@ def test_prompt_lookup_drafts_first(models, prompts, references, method, engine,
                         lambda self, b: proposals.append(propose(self, b)) or proposals[-1])
     target = "deepseek" if method == "mtp" else "target"
     spec = {"method": method, "num_speculative_tokens": 3, "disable_by_batch_size": 0,
-            "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+            "prompt_lookup_min": 1, "prompt_lookup_max": 3, "adaptive_draft_length": False}
     if method != "mtp":
         spec["model"] = models["eagle3" if method == "eagle3" else "target"]
     llm = LLM(model=models[target], max_model_len=256, speculative_config=spec, **ENGINES[engine])
