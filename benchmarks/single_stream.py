@@ -5,7 +5,12 @@ interpreter with that checkout installed) running the default model on one 256-t
 128 greedy tokens, minus a 1-token run of the same prompt, so prefill drops out. It reports the
 best of ``--runs`` per process as milliseconds per decode token, in wall time and in the
 process's CPU time (steadier than wall time on shared cores). The checkouts take turns in every
-round, so load that drifts during the run falls on each alike::
+round, so load that drifts during the run falls on each alike.
+
+Beside each figure, its roofline (``benchmarks/roofline.py``): the bytes a decode token reads
+(the weights as loaded, and the KV cache at the mean context) over the read bandwidth the same
+process measures right after, on the same threads; ``tok_s`` and ``roofline_tok_s`` are decode
+tokens per second, ``of_roofline`` their ratio::
 
     python benchmarks/single_stream.py --python /venv-before/bin/python \\
         --python /venv-after/bin/python --quantization none,gguf --threads 1,2 --rounds 3
@@ -19,15 +24,20 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 PROMPT_LEN, OUTPUT_LEN = 256, 128
 
 
 def measure(quantization: str | None, runs: int) -> dict[str, float]:
-    """Best-of-``runs`` decode milliseconds per token in this process (wall and CPU time)."""
+    """Best-of-``runs`` decode milliseconds per token in this process (wall and CPU time), and
+    the roofline: bytes per decode token and the read bandwidth measured after."""
     import numpy as np
 
     from tokenmill import LLM, SamplingParams
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from roofline import decode_bytes_per_token, read_bandwidth
 
     llm = LLM(enable_prefix_caching=False, quantization=quantization)
     prompt = {"prompt_token_ids": np.random.default_rng(0).integers(100, 40000, PROMPT_LEN).tolist()}
@@ -45,7 +55,18 @@ def measure(quantization: str | None, runs: int) -> dict[str, float]:
         prefill_wall, prefill_cpu = generate(1)
         walls.append((wall - prefill_wall) / (OUTPUT_LEN - 1) * 1e3)
         cpus.append((cpu - prefill_cpu) / (OUTPUT_LEN - 1) * 1e3)
-    return {"wall_ms": min(walls), "cpu_ms": min(cpus)}
+    config = llm.llm_engine.config
+    model = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner.model
+    kv_bytes = config.kv_cache_torch_dtype.itemsize
+    token_bytes = decode_bytes_per_token(model, config.hf_config, PROMPT_LEN + OUTPUT_LEN // 2, kv_bytes)
+    bandwidth = read_bandwidth()
+    return {
+        "wall_ms": min(walls),
+        "cpu_ms": min(cpus),
+        "bytes_per_token": token_bytes,
+        "read_gb_s": bandwidth / 1e9,
+        "roofline_tok_s": bandwidth / token_bytes,
+    }
 
 
 def child(python: str, quantization: str, threads: int, runs: int) -> dict[str, float]:
@@ -72,14 +93,19 @@ def main() -> None:
         print(json.dumps(measure(quantization, args.runs)))
         return
     pythons = args.python or [sys.executable]
-    print("quantization threads round python wall_ms cpu_ms")
+    print("quantization threads round python wall_ms cpu_ms tok_s MB_per_token read_GB_s roofline_tok_s of_roofline")
     for quantization in args.quantization.split(","):
         for threads in map(int, args.threads.split(",")):
             for r in range(args.rounds):
                 order = pythons if r % 2 == 0 else pythons[::-1]
                 for python in order:
                     res = child(python, quantization, threads, args.runs)
-                    print(quantization, threads, r, python, f"{res['wall_ms']:.2f}", f"{res['cpu_ms']:.2f}", flush=True)
+                    tok_s = 1e3 / res["wall_ms"]
+                    print(
+                        quantization, threads, r, python, f"{res['wall_ms']:.2f}", f"{res['cpu_ms']:.2f}",
+                        f"{tok_s:.1f}", f"{res['bytes_per_token'] / 1e6:.1f}", f"{res['read_gb_s']:.2f}",
+                        f"{res['roofline_tok_s']:.1f}", f"{tok_s / res['roofline_tok_s']:.2f}", flush=True,
+                    )
 
 
 if __name__ == "__main__":

@@ -7,12 +7,24 @@ Workloads:
   tokens is the copy), ``--output-len`` tokens each.
 - ``chat``: single stream; 256-token chat prompts asking one of four questions about passages
   (not a copy task; the EAGLE heads' case; the passages are not in their training data).
-- ``ask``: single stream; short chat requests with no text to quote (a task about a topic, the
-  kind the EAGLE heads were trained on, about topics not in their training prompts).
+- ``ask`` (or ``short``): single stream; short chat requests with no text to quote (a task
+  about a topic, the kind the EAGLE heads were trained on, about topics not in their training
+  prompts).
 - ``concurrent``: ``--concurrency`` requests at once of the copy prompts.
 - ``chat-concurrent``: ``--concurrency`` requests at once of the chat prompts.
 
 Single-stream runs generate for ``--single-stream-prompts`` prompts one after another.
+
+With ``--concurrencies 1,2,4,8,16`` every workload named is a prompt kind (``copy``, ``chat``,
+``short``) run at each of those concurrencies (1: single stream), each configuration against
+none: the grid of speculation on vs off per method, concurrency and prompt kind::
+
+    python benchmarks/spec_decode.py --workload chat,copy,short --concurrencies 1,2,4,8,16 \
+        --configs none,eagle-k3-adaptive,eagle3-k3-adaptive,draft-self-k3-adaptive,ngram-k4-adaptive
+
+Rows of configurations with adaptive draft lengths report the mean length chosen
+(``draft_length_mean``, 0 for the steps that drafted nothing) and the cut-off the engine found
+(``disable_by_batch_size``, 0: none).
 
 Each configuration gets its own engine, a warm-up request, then the timed requests; engines
 alternate per repeat. Reports output tokens/s, the speed-up over no speculation (best run over
@@ -52,32 +64,42 @@ PASSAGES = [
     "bottled oxygen.",
 ]
 
+FIXED = {"adaptive_draft_length": False}
+LOOKUP = {"prompt_lookup_min": 2, "prompt_lookup_max": 4}
+
 CONFIGS = {
     "none": None,
     **{
-        f"ngram-k{k}": {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2,
-                          "prompt_lookup_max": 4, "disable_by_batch_size": 0}
+        f"ngram-k{k}": {"method": "ngram", "num_speculative_tokens": k, **LOOKUP, "disable_by_batch_size": 0}
         for k in (3, 4)
     },
-    "ngram-k4-default-cutoff": {"method": "ngram", "num_speculative_tokens": 4,
-                                   "prompt_lookup_min": 2, "prompt_lookup_max": 4},
+    "ngram-k4-default-cutoff": {"method": "ngram", "num_speculative_tokens": 4, **LOOKUP},
     **{
-        f"{method}-k{k}": {"method": method, "num_speculative_tokens": k, "disable_by_batch_size": 0}
+        f"{method}-k{k}": {"method": method, "num_speculative_tokens": k, "disable_by_batch_size": 0, **FIXED}
         for method in ("eagle", "eagle3") for k in (1, 2, 3, 4)
     },
     **{
         f"{method}-k{k}-lookup": {"method": method, "num_speculative_tokens": k, "disable_by_batch_size": 0,
-                                  "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+                                  **LOOKUP, **FIXED}
         for method in ("eagle", "eagle3") for k in (2, 3, 4)
     },
-    "draft-self-k3": {"method": "draft_model", "num_speculative_tokens": 3, "disable_by_batch_size": 0},
-    "eagle-k3-default-cutoff": {"method": "eagle", "num_speculative_tokens": 3},
-    "eagle3-k3-default-cutoff": {"method": "eagle3", "num_speculative_tokens": 3},
+    "draft-self-k3": {"method": "draft_model", "num_speculative_tokens": 3, "disable_by_batch_size": 0, **FIXED},
+    "eagle-k3-default-cutoff": {"method": "eagle", "num_speculative_tokens": 3, **FIXED},
+    "eagle3-k3-default-cutoff": {"method": "eagle3", "num_speculative_tokens": 3, **FIXED},
+    **{
+        f"{method}-k3-adaptive": {"method": method, "num_speculative_tokens": 3}
+        for method in ("eagle", "eagle3")
+    },
+    "draft-self-k3-adaptive": {"method": "draft_model", "num_speculative_tokens": 3},
+    "ngram-k4-adaptive": {"method": "ngram", "num_speculative_tokens": 4, **LOOKUP, "adaptive_draft_length": True},
 }
 """Configurations by name; ``eagle`` and ``eagle3`` ones use the heads shipped for the default
 model, ``-lookup`` ones draft from a prompt lookup first (the head where it finds no match);
 ``draft-self-k3`` is the default model drafting for itself (the acceptance of a draft model
-whose distribution equals the target's: 1.0 at any temperature when ``q`` is used)."""
+whose distribution equals the target's: 1.0 at any temperature when ``q`` is used). All but
+``-adaptive`` ones draft a fixed k (below the cut-off: ``disable_by_batch_size`` 0, or the
+method's default with ``-default-cutoff``); ``-adaptive`` ones choose each request's length
+(``tokenmill.core.draft_length_policy``, the default of the model methods)."""
 
 QUESTIONS = [
     "Explain what this passage says in your own words.",
@@ -151,6 +173,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--concurrencies", default=None,
+                        help="comma-separated: run every workload (a prompt kind) at each")
     parser.add_argument("--single-stream-prompts", type=int, default=4,
                         help="prompts a single-stream run generates for, one at a time")
     parser.add_argument("--repeats", type=int, default=2)
@@ -164,12 +188,20 @@ def main() -> None:
         name: LLM(speculative_config=_with_draft_model(CONFIGS[name]), kv_cache_memory_bytes=2**29)
         for name in args.configs.split(",")
     }
-    for workload in args.workload.split(","):
-        n = args.concurrency if workload.endswith("concurrent") else 1
-        make_prompts = {"chat": _chat_prompts, "ask": _ask_prompts}.get(workload.split("-")[0], _prompts)
+    runs = [
+        (workload, args.concurrency if workload.endswith("concurrent") else 1)
+        for workload in args.workload.split(",")
+    ]
+    if args.concurrencies:
+        runs = [(kind, int(c)) for kind in args.workload.split(",") for c in args.concurrencies.split(",")]
+    for workload, n in runs:
+        make_prompts = {"chat": _chat_prompts, "ask": _ask_prompts, "short": _ask_prompts}.get(
+            workload.split("-")[0], _prompts
+        )
         results: dict[str, list[float]] = {name: [] for name in engines}
         accept: dict[str, tuple[int, int, int]] = {}
         positions: dict[str, list[int]] = {}
+        lengths: dict[str, list[int]] = {}
         for llm in engines.values():
             _run(llm, _prompts(llm, 1), SamplingParams(temperature=0, max_tokens=8))
         for _ in range(args.repeats):
@@ -191,6 +223,10 @@ def main() -> None:
                     - before.get(f"spec_num_accepted_tokens_pos_{i}", 0)
                     for i in range(8)
                 ]
+                lengths[name] = [
+                    after.get(f"spec_draft_length_{k}", 0) - before.get(f"spec_draft_length_{k}", 0)
+                    for k in range(9)
+                ]
         base = max(results["none"]) if "none" in results else None
         for name, speeds in results.items():
             drafts, proposed, accepted = accept[name]
@@ -208,6 +244,11 @@ def main() -> None:
                 if drafts
                 else None,
             }
+            spec = engines[name].llm_engine.config.speculative
+            counts = lengths[name]
+            if spec is not None and spec.adaptive_draft_length and sum(counts):
+                row["draft_length_mean"] = round(sum(k * c for k, c in enumerate(counts)) / sum(counts), 2)
+                row["disable_by_batch_size"] = engines[name].get_stats()["spec_disable_by_batch_size"]
             print(json.dumps(row), flush=True)
 
 

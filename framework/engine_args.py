@@ -107,7 +107,9 @@ class EngineArgs:
         "speculative decoding, as a JSON object with vLLM's keys: method (ngram, draft_model, "
         "eagle, eagle3, mtp or a plugin's), num_speculative_tokens, model, prompt_lookup_min, "
         "prompt_lookup_max (ngram's; with a method that runs a model, drafts from the lookup "
-        "where it matches), disable_by_batch_size",
+        "where it matches), disable_by_batch_size; and tokenmill's adaptive_draft_length (default "
+        "true for the methods that run a model: each request's draft length follows its "
+        "acceptance and the measured cost of drafts; false: always num_speculative_tokens)",
     )
     kv_transfer_config: dict[str, Any] | None = _arg(
         None,

@@ -23,7 +23,8 @@ MODEL_DISABLE_BY_BATCH_SIZE = 2
 """The default cut-off of the methods in ``MODEL_METHODS`` (see ``DEFAULT_DISABLE_BY_BATCH_SIZE``)."""
 
 MODEL_METHODS = ("draft_model", "eagle", "eagle3", "mtp")
-"""Methods that run a model of their own, named by the ``model`` key."""
+"""Methods that run a model of their own, named by the ``model`` key. Their draft lengths are
+adaptive by default (``adaptive_draft_length``)."""
 
 
 @dataclass(frozen=True)
@@ -42,8 +43,14 @@ class SpeculativeConfig:
             from the same lookup where it finds a match, from the model elsewhere; None: the
             model's only.
         disable_by_batch_size: a step with at least this many running requests does not
-            speculate; 0 speculates at any batch size (default: 2 for the methods with a model,
-            8 for the others).
+            speculate; 0 speculates at any batch size (default: 0 with adaptive draft lengths,
+            which find the cut-off themselves; else 2 for the methods with a model, 8 for the
+            others).
+        adaptive_draft_length: each request drafts up to ``num_speculative_tokens`` tokens as
+            its measured acceptance and the measured cost of drafts at the running batch size
+            pay (``tokenmill.core.draft_length_policy``); False: always
+            ``num_speculative_tokens`` below ``disable_by_batch_size`` (vLLM's behaviour).
+            A tokenmill key; default True for ``MODEL_METHODS``, False for the others.
         extra: further keys, allowed only for plugin methods, which read them themselves.
     """
 
@@ -53,6 +60,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
     disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
+    adaptive_draft_length: bool = False
     extra: tuple[tuple[str, Any], ...] = ()
 
     @classmethod
@@ -97,7 +105,17 @@ class SpeculativeConfig:
             raise ValueError(
                 f"speculative_config[{key!r}] applies to methods {', '.join(BUILTIN_METHODS)} only"
             )
-        default = MODEL_DISABLE_BY_BATCH_SIZE if method in MODEL_METHODS else DEFAULT_DISABLE_BY_BATCH_SIZE
+        adaptive = raw.pop("adaptive_draft_length", method in MODEL_METHODS)
+        if not isinstance(adaptive, bool):
+            raise ValueError(
+                f"speculative_config['adaptive_draft_length'] must be true or false, got {adaptive!r}"
+            )
+        if adaptive:
+            default = 0
+        elif method in MODEL_METHODS:
+            default = MODEL_DISABLE_BY_BATCH_SIZE
+        else:
+            default = DEFAULT_DISABLE_BY_BATCH_SIZE
         disable = raw.pop("disable_by_batch_size", default)
         if disable is None:
             disable = 0
@@ -111,7 +129,9 @@ class SpeculativeConfig:
                 f"unknown speculative_config key(s) for method {method!r}: "
                 f"{', '.join(sorted(raw))}; known: {', '.join(KNOWN_KEYS)}"
             )
-        return cls(method, k, model, lookup_min, lookup_max, disable, tuple(sorted(raw.items())))
+        return cls(
+            method, k, model, lookup_min, lookup_max, disable, adaptive, tuple(sorted(raw.items()))
+        )
 
 
 BUILTIN_METHODS = ("ngram", *MODEL_METHODS)
@@ -123,6 +143,7 @@ KNOWN_KEYS = (
     "prompt_lookup_min",
     "prompt_lookup_max",
     "disable_by_batch_size",
+    "adaptive_draft_length",
 )
 
 

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.core.block_pool import KVCacheBlock
+from tokenmill.core.draft_length_policy import DraftLengthPolicy
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.request_queue import make_queue
@@ -60,6 +61,9 @@ class SchedulerConfig:
     num_lookahead_tokens: int = 0
     disable_by_batch_size: int = 0
     """Steps with at least this many running requests do not speculate; 0: never disabled."""
+    adaptive_draft_length: bool = False
+    """Each request's draft length follows its acceptance and the drafts' measured cost
+    (``DraftLengthPolicy``)."""
     max_loras: int = 0
     """Most distinct LoRA adapters among the running requests; 0: LoRA is off."""
     send_token_ids: bool = False
@@ -130,6 +134,9 @@ class Scheduler:
         self.in_flight: set[str] = set()
         """Requests of the steps executing: not scheduled again before their output is in."""
         self.spec_stats = SpecDecodingStats(config.num_speculative_tokens)
+        self.draft_policy = DraftLengthPolicy(
+            config.num_speculative_tokens, config.adaptive_draft_length, config.disable_by_batch_size
+        )
 
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
@@ -204,9 +211,16 @@ class Scheduler:
         if not preempted:
             self._schedule_waiting(budget, num_scheduled, new_reqs, cached)
 
+        sampling = []
         for req_id, n in num_scheduled.items():
-            self.requests[req_id].num_computed_tokens += n
+            req = self.requests[req_id]
+            req.num_computed_tokens += n
+            if req.num_computed_tokens >= req.num_tokens:
+                sampling.append(req_id)
         self.in_flight.update(num_scheduled)
+        draft_lengths = (
+            self.draft_policy.lengths(sampling, len(self.running)) if cfg.num_speculative_tokens else {}
+        )
         out = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached,
@@ -215,8 +229,7 @@ class Scheduler:
             preempted_req_ids=preempted,
             finished_req_ids=self.finished_req_ids,
             scheduled_spec_decode_tokens=spec_tokens,
-            speculate=cfg.num_speculative_tokens > 0
-            and not 0 < cfg.disable_by_batch_size <= len(self.running),
+            draft_lengths=draft_lengths,
         )
         if self.connector is not None:
             out.kv_connector_metadata = self.connector.build_connector_meta(out)
@@ -418,6 +431,7 @@ class Scheduler:
             if verified and new_ids:
                 req.num_computed_tokens -= len(verified) + 1 - len(new_ids)
                 self.spec_stats.observe(len(verified), len(new_ids) - 1)
+                self.draft_policy.observe_acceptance(req_id, len(verified), len(new_ids) - 1)
             kept: list[int] = []
             for tok in new_ids:
                 kept.append(tok)
@@ -449,6 +463,18 @@ class Scheduler:
         if kv_connector_output is not None:
             self._update_from_kv_connector(kv_connector_output)
         return outputs
+
+    def observe_step_time(
+        self, scheduler_output: SchedulerOutput, spec_token_ids: dict[str, list[int]], seconds: float
+    ) -> None:
+        """Give the draft-length policy the time of a step that only decoded (each request one
+        token and its drafts), with the drafts it verified and proposed."""
+        verified = scheduler_output.scheduled_spec_decode_tokens
+        scheduled = scheduler_output.num_scheduled_tokens
+        if not scheduled or any(n != 1 + len(verified.get(r, ())) for r, n in scheduled.items()):
+            return
+        num_drafts = sum(map(len, verified.values())) + sum(map(len, spec_token_ids.values()))
+        self.draft_policy.observe_step(len(scheduled), num_drafts, seconds)
 
     def _update_from_kv_connector(self, output: KVConnectorOutput) -> None:
         """Loads that finished make their requests schedulable; sends that finished (and loads
@@ -517,6 +543,7 @@ class Scheduler:
         if req in self.running:
             self.running.remove(req)
         del self.requests[req.request_id]
+        self.draft_policy.finish(req.request_id)
         self.finished_req_ids.add(req.request_id)
         params = None
         delay_free = False

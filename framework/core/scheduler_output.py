@@ -49,8 +49,9 @@ class SchedulerOutput:
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     """Draft tokens scheduled for verification, per request; they are the last of the
     request's ``num_scheduled_tokens``."""
-    speculate: bool = False
-    """Whether the workers propose drafts after this step (see ``disable_by_batch_size``)."""
+    draft_lengths: dict[str, int] = field(default_factory=dict)
+    """The most drafts each request may get after this step (``DraftLengthPolicy``); a
+    request left out gets none."""
     structured_output_request_ids: list[str] = field(default_factory=list)
     """Requests that sample this step under a structured-output constraint."""
     grammar_bitmask: np.ndarray | None = None

@@ -100,6 +100,7 @@ class EngineCore:
                 num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
                 num_lookahead_tokens=self.executor.worker_info.num_lookahead_tokens,
                 disable_by_batch_size=spec.disable_by_batch_size if spec else 0,
+                adaptive_draft_length=spec.adaptive_draft_length if spec else False,
                 max_loras=config.max_loras if config.enable_lora else 0,
                 send_token_ids=config.pipeline_parallel_size > 1,
             ),
@@ -238,6 +239,9 @@ class EngineCore:
             )
             self._advance_grammars(outputs)
             self._validate_drafts(model_output.spec_token_ids)
+            self.scheduler.observe_step_time(
+                scheduler_output, model_output.spec_token_ids, time.monotonic() - start
+            )
         except Exception:
             self.failed_req_ids = [o.req_id for o in failed] + self.scheduler.fail_step(
                 scheduler_output
@@ -390,7 +394,9 @@ class EngineCore:
         connector's when they are on (the connector's hits are counted apart from the local
         prefix cache's)."""
         kv = self.kv_cache_manager
-        spec = self.scheduler.spec_stats.as_dict() if self.config.speculative else {}
+        spec = {}
+        if self.config.speculative:
+            spec = {**self.scheduler.spec_stats.as_dict(), **self.scheduler.draft_policy.as_dict()}
         lora = {}
         external = {}
         if self.scheduler.connector is not None:

@@ -387,7 +387,7 @@ class ModelRunner:
         if len(sampling):
             result = self._sample(out, req_ids, sampling, rows[sampling], cu, hidden)
             result.prompt_logprobs = prompt_logprobs
-        if self.proposer is not None and (out.speculate or self.proposer.every_step):
+        if self.proposer is not None and (out.draft_lengths or self.proposer.every_step):
             step = None
             if self.proposer.uses_target_step:
                 step = TargetStep(
@@ -399,32 +399,35 @@ class ModelRunner:
                     prepare=self.prepare_flat_inputs,
                     aux_hidden_states=aux_hidden,
                 )
-            drafting = list(result.sampled_token_ids) if out.speculate else []
-            result.spec_token_ids = self._propose(self.proposer, drafting, step)
+            lengths = {
+                r: out.draft_lengths[r] for r in result.sampled_token_ids if r in out.draft_lengths
+            }
+            result.spec_token_ids = self._propose(self.proposer, lengths, step)
             batch.proposer_num_computed[rows] = batch.num_computed_tokens[rows]
         return result
 
     def _propose(
-        self, proposer: Proposer, sampled_req_ids: list[str], step: TargetStep | None
+        self, proposer: Proposer, lengths: dict[str, int], step: TargetStep | None
     ) -> dict[str, list[int]]:
-        """Drafts, after a step that speculates, for the requests that sampled and have room
-        for ``k`` more tokens. Every sampling feature combines with drafts: each verified
-        position's logits are processed with the drafts before it (penalties, bad words,
+        """Drafts for the requests that sampled, each up to its length in ``lengths`` (the
+        scheduler's ``draft_lengths``), of those with room for it; the proposer drafts the
+        longest of them for all, each request keeping its own length. Every sampling feature
+        combines with drafts: each verified position's logits are processed with the drafts before it (penalties, bad words,
         ``min_tokens``, the grammar, which also cuts a constrained request's drafts in the
         engine core). A proposer's ``draft_probs`` are kept in ``self.draft_probs`` for the next
         step's verification."""
         batch = self.batch
         assert batch is not None
-        k = proposer.spec.num_speculative_tokens
         max_len = self.config.max_model_len
-        eligible = [r for r in sampled_req_ids if batch.num_tokens[batch.requests[r].row] + k < max_len]
+        eligible = [r for r, k in lengths.items() if batch.num_tokens[batch.requests[r].row] + k < max_len]
         if not eligible and not proposer.uses_target_step:
             return {}
+        k = max((lengths[r] for r in eligible), default=proposer.spec.num_speculative_tokens)
         rows = np.array([batch.requests[r].row for r in eligible], dtype=np.int64)
         proposal = proposer.propose(ProposalBatch(eligible, rows, batch, k, step))
         drafts = {}
         for j, req_id in enumerate(eligible):
-            n = int(proposal.num_draft_tokens[j])
+            n = min(int(proposal.num_draft_tokens[j]), lengths[req_id])
             if n:
                 drafts[req_id] = proposal.draft_token_ids[j, :n].tolist()
                 if proposal.draft_probs is not None:

@@ -82,13 +82,31 @@ def test_self_draft_accepts_everything_k_plus_one_per_step(tiny):
 
 
 def test_disable_by_batch_size_turns_speculation_off(tiny, prompts, reference):
-    spec = {"model": tiny["target"], "num_speculative_tokens": 3, "disable_by_batch_size": 2}
+    spec = {"model": tiny["target"], "num_speculative_tokens": 3, "disable_by_batch_size": 2, "adaptive_draft_length": False}
     llm = LLM(model=tiny["target"], num_kv_blocks=256, max_model_len=256, speculative_config=spec)
     assert generate(llm, prompts[:1]) == reference[:1]
     assert llm.get_stats()["spec_num_drafts"] > 0
     llm = LLM(model=tiny["target"], num_kv_blocks=256, max_model_len=256, speculative_config=spec)
     assert generate(llm, prompts) == reference
     assert llm.get_stats()["spec_num_drafts"] < len(prompts)
+
+
+@pytest.mark.parametrize("draft", ["target", "draft"], ids=["self-draft", "random-draft"])
+def test_adaptive_draft_lengths_follow_acceptance_and_keep_outputs(tiny, prompts, reference, draft):
+    """Adaptive lengths (the default of draft_model): a random draft model, whose drafts are
+    rejected, soon drafts nothing on most steps; a self-draft keeps k (all accepted); outputs
+    equal the non-speculative run's."""
+    spec = {"model": tiny[draft], "num_speculative_tokens": 3}
+    llm = LLM(model=tiny["target"], num_kv_blocks=256, max_model_len=256, speculative_config=spec)
+    assert generate(llm, prompts) == reference
+    stats = llm.get_stats()
+    lengths = [stats[f"spec_draft_length_{k}"] for k in range(4)]
+    assert lengths[3] > 0
+    if draft == "draft":
+        assert stats["spec_num_accepted_tokens"] < 0.2 * stats["spec_num_draft_tokens"]
+        assert lengths[0] > 2 * sum(lengths[1:])
+    else:
+        assert stats["spec_num_accepted_tokens"] == stats["spec_num_draft_tokens"]
 
 
 TOGGLING_LONG, TOGGLING_SHORT = [1, 2, 3, 4, 5], [[7, 8, 9], [10, 11, 12, 13]]
@@ -103,7 +121,7 @@ def test_toggling_speculation_catches_the_draft_model_up(tiny, draft):
     reference, _, _ = generate_toggling(
         LLM(model=tiny["target"], num_kv_blocks=64, max_model_len=256), TOGGLING_LONG, TOGGLING_SHORT
     )
-    spec = {"method": "draft_model", "model": tiny[draft], "num_speculative_tokens": 3}
+    spec = {"method": "draft_model", "model": tiny[draft], "num_speculative_tokens": 3, "adaptive_draft_length": False}
     llm = LLM(model=tiny["target"], num_kv_blocks=64, max_model_len=256, speculative_config=spec)
     outputs, total, resumed = generate_toggling(llm, TOGGLING_LONG, TOGGLING_SHORT)
     for got, expected in zip(outputs, reference):
@@ -238,13 +256,24 @@ def test_model_methods_look_up_only_when_asked():
 
 
 def test_disable_by_batch_size_defaults_by_method(tiny):
-    """Measured on this CPU: ``ngram`` still pays at a few requests, a model's drafts only at one."""
-    def cutoff(**spec):
-        return EngineConfig(speculative_config={"num_speculative_tokens": 2, **spec}).speculative.disable_by_batch_size
+    """Adaptive draft lengths (the model methods' default) find the cut-off themselves; fixed
+    ones stop where measured on this CPU: ``ngram`` still pays at a few requests, a model's
+    drafts only at one."""
+    def spec(**raw):
+        return EngineConfig(speculative_config={"num_speculative_tokens": 2, **raw}).speculative
 
-    assert cutoff(method="ngram") == 8
-    assert cutoff(method="eagle") == cutoff(method="eagle3") == cutoff(model=tiny["draft"]) == 2
-    assert cutoff(method="eagle", disable_by_batch_size=0) == 0
+    def cutoff(**raw):
+        return spec(**raw).disable_by_batch_size
+
+    fixed = {"adaptive_draft_length": False}
+    assert cutoff(method="ngram") == 8 and not spec(method="ngram").adaptive_draft_length
+    assert cutoff(method="eagle") == cutoff(method="eagle3") == cutoff(model=tiny["draft"]) == 0
+    assert all(spec(method=m).adaptive_draft_length for m in ("eagle", "eagle3", "mtp"))
+    assert cutoff(method="eagle", **fixed) == cutoff(model=tiny["draft"], **fixed) == 2
+    assert cutoff(method="eagle", disable_by_batch_size=3) == 3
+    assert cutoff(method="ngram", adaptive_draft_length=True) == 0
+    with pytest.raises(ValueError, match=r"\['adaptive_draft_length'\] must be true or false"):
+        spec(method="ngram", adaptive_draft_length="yes")
 
 
 DEFAULT_TEXTS = [
@@ -318,7 +347,7 @@ def test_default_model_drafting_for_itself_through_toggling(default_model_dir, d
     cut-off of 2: acceptance stays >= 95 % (1.6 % when the steps that did not speculate left
     holes in the draft's cache) and outputs equal the non-speculative run."""
     long_prompt, *short = (default_tokenizer.encode(text) for text in DEFAULT_TEXTS[2:5])
-    spec = {"method": "draft_model", "model": default_model_dir, "num_speculative_tokens": 3}
+    spec = {"method": "draft_model", "model": default_model_dir, "num_speculative_tokens": 3, "adaptive_draft_length": False}
     llm = LLM(max_model_len=256, speculative_config=spec, **DEFAULT_ENGINES["plain"])
     outputs, total, resumed = generate_toggling(llm, long_prompt, short, max_tokens=96)
     reference, _, _ = generate_toggling(default_llm, long_prompt, short, max_tokens=96)

@@ -88,7 +88,7 @@ def test_prompt_lookup_drafts_first(models, prompts, references, method, engine,
                         lambda self, b: proposals.append(propose(self, b)) or proposals[-1])
     target = "deepseek" if method == "mtp" else "target"
     spec = {"method": method, "num_speculative_tokens": 3, "disable_by_batch_size": 0,
-            "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+            "prompt_lookup_min": 1, "prompt_lookup_max": 3, "adaptive_draft_length": False}
     if method != "mtp":
         spec["model"] = models["eagle3" if method == "eagle3" else "target"]
     llm = LLM(model=models[target], max_model_len=256, speculative_config=spec, **ENGINES[engine])
@@ -116,7 +116,7 @@ def test_a_step_that_does_not_speculate_runs_the_head_without_drafting(models, p
         return propose(self, batch)
 
     monkeypatch.setattr(HeadProposer, "propose", spy)
-    spec = {"method": "eagle3", "model": models["eagle3"], "num_speculative_tokens": 3}
+    spec = {"method": "eagle3", "model": models["eagle3"], "num_speculative_tokens": 3, "adaptive_draft_length": False}
     llm = LLM(model=models["target"], num_kv_blocks=256, max_model_len=256,
               speculative_config=spec | {"disable_by_batch_size": 1})
     assert generate(llm, prompts) == references["target"]
@@ -151,7 +151,7 @@ def test_toggling_speculation_keeps_the_heads_cache_complete(models, prompts, he
 
     monkeypatch.setattr(HeadProposer, "propose", spy)
     target = "deepseek" if head == "mtp" else "target"
-    spec = {"method": head, "num_speculative_tokens": 3}
+    spec = {"method": head, "num_speculative_tokens": 3, "adaptive_draft_length": False}
     if head != "mtp":
         spec["model"] = models[head]
     long_prompt, *short = (p["prompt_token_ids"] for p in prompts[:3])
@@ -171,7 +171,7 @@ def test_toggling_speculation_keeps_the_heads_cache_complete(models, prompts, he
 def test_mtp_reuses_its_layer_beyond_num_nextn_predict_layers(models, prompts, references):
     """k = 4 with one MTP layer: the layer runs at every depth (drafts of 4 tokens, fewer only
     near max_tokens), output unchanged."""
-    spec = {"method": "mtp", "num_speculative_tokens": 4, "disable_by_batch_size": 0}
+    spec = {"method": "mtp", "num_speculative_tokens": 4, "disable_by_batch_size": 0, "adaptive_draft_length": False}
     llm = LLM(model=models["deepseek"], num_kv_blocks=256, max_model_len=256, speculative_config=spec)
     assert generate(llm, prompts[:3]) == references["deepseek"][:3]
     stats = llm.get_stats()

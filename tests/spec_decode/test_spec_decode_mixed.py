@@ -2,7 +2,8 @@
 batches (structured outputs, penalties, logit bias, bad words, min_tokens, allowed tokens,
 seeded random sampling, n > 1, logprobs in every mode) on a tiny random model with a byte
 tokenizer, run with speculation off and on (n-gram; the same model as draft model; every step
-speculates), must give the same outputs in every field. A draft model's drafts of random
+speculates, fixed draft lengths: adaptive ones depend on step timings), must give the same
+outputs in every field. A draft model's drafts of random
 requests are draws from its distribution ``q``, verified with ``min(1, p / q)``: equal to the
 plain run in distribution, not draw for draw, so those requests are compared with themselves
 run alone instead (their output depends only on their seed)."""
@@ -49,7 +50,8 @@ def engines(tiny):
         if (mode, spec) not in built:
             config = SPECS[spec]
             if config is not None:
-                config = {**config, "num_speculative_tokens": 3, "disable_by_batch_size": 0}
+                config = {**config, "num_speculative_tokens": 3, "disable_by_batch_size": 0,
+                          "adaptive_draft_length": False}
                 if config["method"] == "draft_model":
                     config["model"] = tiny
             built[mode, spec] = LLM(

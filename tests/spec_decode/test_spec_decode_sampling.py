@@ -26,7 +26,7 @@ def tiny(tmp_path_factory) -> str:
 
 
 def _self_draft(tiny: str, **spec) -> dict:
-    return {"method": "draft_model", "model": tiny, "num_speculative_tokens": 3, **spec}
+    return {"method": "draft_model", "model": tiny, "num_speculative_tokens": 3, "adaptive_draft_length": False, **spec}
 
 
 def _run(llm: LLM, params: SamplingParams, others: int = 0):

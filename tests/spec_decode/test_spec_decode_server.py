@@ -40,6 +40,9 @@ def test_streaming_equals_non_streaming_and_drafts_are_counted(server):
     if server.method == "ngram":  # the shipped head accepts little on a list (README)
         assert m["tokenmill:spec_decode_num_accepted_tokens_total"] > 0
     assert m["tokenmill:spec_decode_num_accepted_tokens_per_pos_total"] == m["tokenmill:spec_decode_num_accepted_tokens_total"]
+    assert m["tokenmill:spec_decode_num_drafts_per_length_total"] >= m["tokenmill:spec_decode_num_drafts_total"]
+    if server.method == "ngram":  # fixed lengths below the default cut-off (eagle3's is measured)
+        assert m["tokenmill:spec_decode_disable_by_batch_size"] == 8
 
 
 def test_same_text_as_without_speculation(server, default_llm):

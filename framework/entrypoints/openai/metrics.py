@@ -103,7 +103,14 @@ ITERATION_TOKENS_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8
 N_BUCKETS = [1, 2, 5, 10, 20]
 
 NO_VLLM_COUNTERPART = frozenset(
-    {"kv_blocks_total", "kv_blocks_free", "num_requests_routed", "kv_transfer_recomputed"}
+    {
+        "kv_blocks_total",
+        "kv_blocks_free",
+        "num_requests_routed",
+        "kv_transfer_recomputed",
+        "spec_decode_num_drafts_per_length",
+        "spec_decode_disable_by_batch_size",
+    }
 )
 """Series vLLM has no counterpart of: exported under ``tokenmill:`` whatever the names."""
 
@@ -163,12 +170,23 @@ ENGINE_COUNTERS = {
 PER_POS_PREFIX = "spec_num_accepted_tokens_pos_"
 """get_stats() keys ``spec_num_accepted_tokens_pos_<i>``, exported with a ``position`` label."""
 
+PER_LENGTH_PREFIX = "spec_draft_length_"
+"""get_stats() keys ``spec_draft_length_<k>``, exported with a ``length`` label."""
+
 ENGINE_GAUGES = {
     "num_running_requests": ("num_requests_running", "Requests in the running batch."),
     "num_waiting_requests": ("num_requests_waiting", "Requests waiting to be scheduled."),
     "kv_blocks_total": ("kv_blocks_total", "KV-cache blocks in the pool."),
     "kv_blocks_free": ("kv_blocks_free", "KV-cache blocks free (cached or empty)."),
 }
+SPEC_GAUGES = {
+    "spec_disable_by_batch_size": (
+        "spec_decode_disable_by_batch_size",
+        "Running requests from which no draft pays (configured, or found by adaptive draft "
+        "lengths); 0: none known.",
+    ),
+}
+"""Exported when the engine speculates."""
 LORA_GAUGES = {
     "num_running_loras": ("lora_adapters_running", "Distinct LoRA adapters of the running requests."),
     "num_waiting_loras": ("lora_adapters_waiting", "Distinct LoRA adapters of the waiting requests."),
@@ -228,9 +246,24 @@ class EngineStatsCollector(Collector):
                         [self.model_name, str(engine), str(pos)], stats[f"{PER_POS_PREFIX}{pos}"]
                     )
             yield per_pos
+        lengths = sorted(
+            int(key.rsplit("_", 1)[1]) for key in engines[0] if key.startswith(PER_LENGTH_PREFIX)
+        )
+        if lengths:
+            per_length = CounterMetricFamily(
+                "spec_decode_num_drafts_per_length",
+                "Requests' steps by the draft length chosen for them (0: no draft).",
+                labels=["model_name", "engine", "length"],
+            )
+            for engine, stats in enumerate(engines):
+                for length in lengths:
+                    per_length.add_metric(
+                        [self.model_name, str(engine), str(length)], stats[f"{PER_LENGTH_PREFIX}{length}"]
+                    )
+            yield per_length
         for key, (name, doc) in ENGINE_GAUGES.items():
             yield self._per_engine(GaugeMetricFamily, name, doc, engines, key)
-        for key, (name, doc) in LORA_GAUGES.items():
+        for key, (name, doc) in {**SPEC_GAUGES, **LORA_GAUGES}.items():
             if key in engines[0]:
                 yield self._per_engine(GaugeMetricFamily, name, doc, engines, key)
         usage = GaugeMetricFamily(
