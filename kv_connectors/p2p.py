@@ -10,9 +10,12 @@ serves the blocks on ``remote_port`` until a decode instance pulls them or
 ``send_timeout_s`` passes; then the blocks are freed.
 
 The decode instance, given those params, pulls the blocks before it schedules the request,
-naming the remote request *and* the block hashes of its own prompt: the prefill instance sends
-only the leading blocks whose hashes match that request's own, so params forged or copied from
-another request never read blocks of a prompt (or a ``cache_salt``) other than the puller's.
+naming the remote request *and* the block hashes of its own prompt, and the tokens of its
+partial last block: the prefill instance sends only the leading blocks whose hashes match that
+request's own, and the partial block only when all full blocks matched and its tokens are the
+same, so params forged or copied from another request never read blocks of a prompt (or a
+``cache_salt``) other than the puller's. The pull covers every prompt token but the last, so
+the decode instance computes one prompt token (its logits give the first output token).
 A pull that fails (the prefill instance is gone, the blocks timed out, the params are stale or
 forged) makes the decode instance compute the prompt itself, counted in
 ``kv_transfer_recomputed``.
@@ -56,10 +59,13 @@ the next step's metadata)."""
 
 @dataclass
 class SendEntry:
-    """A finished request's blocks, held for a decode instance to pull."""
+    """A finished request's blocks, held for a decode instance to pull: its full prompt blocks
+    (``block_hashes``), then, when the prompt's tokens short of the last end inside a block,
+    that block (``block_ids`` has one more id) holding ``tail_token_ids``."""
 
     block_ids: list[int]
     block_hashes: list[bytes]
+    tail_token_ids: list[int]
     deadline: float
 
 
@@ -72,6 +78,15 @@ class LoadEntry:
 
 
 @dataclass
+class Pulled:
+    """Blocks a consumer pulled: one ``[num_blocks, ...]`` tensor per layer, holding the
+    prompt's first ``num_tokens`` tokens (the last block may be partial)."""
+
+    layers: dict[str, torch.Tensor]
+    num_tokens: int
+
+
+@dataclass
 class P2pMetadata(KVConnectorMetadata):
     sends: dict[str, SendEntry] = field(default_factory=dict)
     loads: dict[str, LoadEntry] = field(default_factory=dict)
@@ -80,21 +95,32 @@ class P2pMetadata(KVConnectorMetadata):
 class PullRequest(msgspec.Struct):
     request_id: str
     block_hashes: list[bytes]
+    tail_token_ids: list[int] = []
 
 
 class PullReply(msgspec.Struct):
     num_blocks: int = 0
+    num_tokens: int = 0
     error: str | None = None
     layers: list[str] = []
     shape: list[int] = []
     dtype: str = ""
 
 
-def prompt_hashes(request: KVConnectorRequest, block_size: int) -> list[bytes]:
-    """The prompt's block hashes, up to the block holding its last token (not computed
-    remotely, so never transferred)."""
-    num_blocks = (len(request.prompt_token_ids) - 1) // block_size
-    return list(request.block_hashes[:num_blocks])
+def transfer_of(
+    request: KVConnectorRequest, block_size: int, num_tokens: int
+) -> tuple[list[bytes], list[int]]:
+    """What of the first ``num_tokens`` prompt tokens goes from a prefill to a decode instance,
+    never the prompt's last token (the decode instance computes it for its logits): the hashes
+    of the full blocks, and the tokens of the partial block after them (empty when the tokens
+    end on a block boundary). A partial block goes only after at least one full block, whose
+    hash chain carries the request's ``cache_salt`` and LoRA adapter."""
+    num_tokens = min(num_tokens, len(request.prompt_token_ids) - 1)
+    num_full = num_tokens // block_size
+    hashes = list(request.block_hashes[:num_full])
+    if not hashes:
+        return [], []
+    return hashes, list(request.prompt_token_ids[num_full * block_size : num_tokens])
 
 
 class P2pConnector(KVConnectorBase):
@@ -134,9 +160,8 @@ class P2pConnector(KVConnectorBase):
         self.block_size = self.config.block_size
         self.engine_id = f"{self.host}:{self.port}"
         # scheduler side
-        self.pulled: dict[str, dict[str, torch.Tensor] | None] = {}
-        """Per request: the pulled blocks (a ``[num_blocks, ...]`` tensor per layer), or None
-        when the pull failed."""
+        self.pulled: dict[str, Pulled | None] = {}
+        """Per request: the pulled blocks, or None when the pull failed."""
         self.new_sends: dict[str, SendEntry] = {}
         self.new_loads: dict[str, LoadEntry] = {}
         self.num_recomputed = 0
@@ -159,11 +184,10 @@ class P2pConnector(KVConnectorBase):
             return 0, False
         if request.request_id not in self.pulled:
             self.pulled[request.request_id] = self._pull(request, params)
-        layers = self.pulled[request.request_id]
-        if layers is None:
+        pulled = self.pulled[request.request_id]
+        if pulled is None:
             return 0, False
-        num_tokens = next(iter(layers.values())).shape[0] * self.block_size
-        return max(num_tokens - num_computed_tokens, 0), False
+        return max(pulled.num_tokens - num_computed_tokens, 0), False
 
     def update_state_after_alloc(
         self, request: KVConnectorRequest, block_ids: list[int], num_external_tokens: int
@@ -172,8 +196,8 @@ class P2pConnector(KVConnectorBase):
         if pulled is None or num_external_tokens == 0:
             return
         first = request.num_computed_tokens // self.block_size
-        last = first + num_external_tokens // self.block_size
-        layers = {name: kv[first:last] for name, kv in pulled.items()}
+        last = -(-(request.num_computed_tokens + num_external_tokens) // self.block_size)
+        layers = {name: kv[first:last] for name, kv in pulled.layers.items()}
         self.new_loads[request.request_id] = LoadEntry(block_ids[first:last], layers)
 
     def build_connector_meta(self, scheduler_output: Any) -> P2pMetadata:
@@ -188,18 +212,18 @@ class P2pConnector(KVConnectorBase):
         params = request.kv_transfer_params or {}
         if not params.get("do_remote_decode") or not self.kv_transfer_config.is_kv_producer:
             return False, None
-        computed = request.num_computed_tokens // self.block_size
-        hashes = prompt_hashes(request, self.block_size)[:computed]
+        hashes, tail = transfer_of(request, self.block_size, request.num_computed_tokens)
         if not hashes:
             return False, None
+        sent_ids = block_ids[: len(hashes) + bool(tail)]
         self.new_sends[request.request_id] = SendEntry(
-            block_ids[: len(hashes)], hashes, time.monotonic() + self.send_timeout_s
+            sent_ids, hashes, tail, time.monotonic() + self.send_timeout_s
         )
         return True, {
             "do_remote_decode": False,
             "do_remote_prefill": True,
             "remote_engine_id": self.engine_id,
-            "remote_block_ids": block_ids[: len(hashes)],
+            "remote_block_ids": sent_ids,
             "remote_host": self.host,
             "remote_port": self.port,
             "remote_request_id": request.request_id,
@@ -209,11 +233,9 @@ class P2pConnector(KVConnectorBase):
     def get_stats(self) -> dict[str, int]:
         return {"kv_transfer_recomputed": self.num_recomputed}
 
-    def _pull(
-        self, request: KVConnectorRequest, params: dict[str, Any]
-    ) -> dict[str, torch.Tensor] | None:
+    def _pull(self, request: KVConnectorRequest, params: dict[str, Any]) -> Pulled | None:
         """The remote blocks matching this request's prompt; None (counted) when none come."""
-        hashes = prompt_hashes(request, self.block_size)
+        hashes, tail = transfer_of(request, self.block_size, request.num_tokens)
         host, port = params.get("remote_host"), params.get("remote_port")
         remote_id = params.get("remote_request_id")
         if not hashes:
@@ -229,7 +251,7 @@ class P2pConnector(KVConnectorBase):
         socket.setsockopt(zmq.SNDTIMEO, timeout_ms)
         try:
             socket.connect(f"tcp://{host}:{port}")
-            socket.send(msgspec.msgpack.encode(PullRequest(remote_id, hashes)))
+            socket.send(msgspec.msgpack.encode(PullRequest(remote_id, hashes, tail)))
             head, *frames = socket.recv_multipart()
         except zmq.ZMQError as e:
             return self._failed(request, f"{host}:{port} did not answer: {e}")
@@ -245,7 +267,7 @@ class P2pConnector(KVConnectorBase):
             .reshape(reply.shape)
             for name, frame in zip(reply.layers, frames, strict=True)
         }
-        return layers
+        return Pulled(layers, reply.num_tokens)
 
     def _failed(self, request: KVConnectorRequest, reason: str) -> None:
         """Count a failed pull and let the prompt be computed here; or, with
@@ -307,8 +329,9 @@ class P2pConnector(KVConnectorBase):
             socket.send_multipart([address, empty, *frames])
 
     def _answer(self, pull: PullRequest) -> list[bytes]:
-        """The blocks of ``pull.request_id`` whose hashes match the puller's, leading ones only;
-        a pull that matches none leaves the entry for its rightful puller."""
+        """The blocks of ``pull.request_id`` whose hashes match the puller's, leading ones only,
+        and the partial block after them when every full block matched and its tokens are the
+        puller's; a pull that matches none leaves the entry for its rightful puller."""
         deadline = time.monotonic() + WAIT_FOR_ENTRY_S
         with self.lock:
             while pull.request_id not in self.sends and time.monotonic() < deadline:
@@ -324,6 +347,11 @@ class P2pConnector(KVConnectorBase):
             if num == 0:
                 return [msgspec.msgpack.encode(PullReply(error="no block of the prompt matched"))]
             del self.sends[pull.request_id]
+        num_tokens = num * self.block_size
+        whole = num == len(entry.block_hashes) == len(pull.block_hashes)
+        if whole and entry.tail_token_ids and entry.tail_token_ids == pull.tail_token_ids:
+            num += 1
+            num_tokens += len(entry.tail_token_ids)
         index = torch.tensor(entry.block_ids[:num], dtype=torch.long)
         names = list(self.kv_caches)
         tensors = [self.kv_caches[name][index].contiguous().cpu() for name in names]
@@ -331,6 +359,7 @@ class P2pConnector(KVConnectorBase):
             self.done_sending.add(pull.request_id)
         reply = PullReply(
             num,
+            num_tokens,
             layers=names,
             shape=list(tensors[0].shape),
             dtype=str(tensors[0].dtype).removeprefix("torch."),

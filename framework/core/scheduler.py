@@ -20,7 +20,9 @@ Blocks are indexed in the prefix cache only over verified tokens (``block_hashes
 
 With a KV connector, a waiting request's tokens past its local prefix-cache hits may come from
 the connector (``get_num_new_matched_tokens``): they count as computed, in blocks the connector
-fills before the step's forward pass. A connector that loads asynchronously leaves the request
+fills before the step's forward pass. They need not end on a block boundary (a decode instance
+loads the prompt's partial last block too); a partially filled block is never indexed in the
+prefix cache, only blocks full of computed or loaded tokens are. A connector that loads asynchronously leaves the request
 in ``WAITING_FOR_REMOTE_KVS``, holding its blocks, until a worker reports the load finished;
 the other requests are scheduled meanwhile. A finished request's blocks stay held while the
 connector sends them (``request_finished`` returns ``delay_free``), until a worker reports them
@@ -371,11 +373,10 @@ class Scheduler:
             return 0, False
         num_external, load_async = self.connector.get_num_new_matched_tokens(req, num_local)
         limit = req.num_tokens - 1 - num_local
-        if num_external % self.kv.block_size or not 0 <= num_external <= limit:
+        if not 0 <= num_external <= limit:
             raise ValueError(
                 f"KV connector {type(self.connector).__name__} offered {num_external} tokens "
-                f"for request {req.request_id}: expected whole blocks of "
-                f"{self.kv.block_size} tokens, at most {limit}"
+                f"for request {req.request_id}: expected 0 to {limit}"
             )
         if load_async and req.status == RequestStatus.PREEMPTED:
             return 0, False

@@ -185,8 +185,10 @@ class KVConnectorBase(ABC):
     ) -> tuple[int, bool]:
         """``(tokens, load_async)``: how many tokens after the first ``num_computed_tokens``
         (the local prefix-cache hits, a multiple of the block size) the connector can load,
-        in whole blocks, leaving at least the prompt's last token to compute; and whether the
-        load is asynchronous. Free of side effects: the scheduler may ask again in later
+        leaving at least the prompt's last token to compute, and whether the load is
+        asynchronous. The tokens may end inside a block (the prompt's partial last block, as
+        a decode instance loads it): that block is loaded whole and its slots past the loaded
+        tokens are overwritten as they are computed. Free of side effects: the scheduler may ask again in later
         steps, or never use the answer."""
 
     @abstractmethod

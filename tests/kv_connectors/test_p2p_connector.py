@@ -104,22 +104,39 @@ class Consumer:
 
 
 PROMPT = list(range(100, 100 + 3 * BLOCK + 5))
+ALL_BUT_LAST = len(PROMPT) - 1
+"""The tokens a consumer pulls: three full blocks and four tokens of the partial fourth."""
 
 
-def test_consumer_pulls_the_producers_blocks_exactly_and_the_producer_frees_them():
+def test_consumer_pulls_all_but_the_last_prompt_token_and_the_producer_frees_them():
     producer, consumer = Producer(), Consumer()
     sent = request("a", PROMPT, {"do_remote_decode": True})
     params = producer.finish(sent, [7, 2, 9, 4])
-    assert params["remote_request_id"] == "a" and params["remote_block_ids"] == [7, 2, 9]
+    assert params["remote_request_id"] == "a" and params["remote_block_ids"] == [7, 2, 9, 4]
     assert params["block_hashes"] == [h.hex() for h in sent.block_hashes[:3]]
     got = request("b", PROMPT, params)
-    assert consumer.load(got, [1, 5, 3, 0]) == 3 * BLOCK
+    assert consumer.load(got, [1, 5, 3, 0]) == ALL_BUT_LAST
     for name in LAYERS:
         assert torch.equal(
-            consumer.worker.kv_caches[name][[1, 5, 3]], producer.worker.kv_caches[name][[7, 2, 9]]
+            consumer.worker.kv_caches[name][[1, 5, 3, 0]],
+            producer.worker.kv_caches[name][[7, 2, 9, 4]],
         )
     assert producer.step() == ({"a"}, None)
     assert consumer.scheduler.get_stats() == {"kv_transfer_recomputed": 0}
+
+
+def test_the_partial_block_goes_only_to_a_prompt_with_the_same_tokens_in_it():
+    producer, consumer = Producer(), Consumer()
+    params = producer.finish(request("a", PROMPT, {"do_remote_decode": True}), [7, 2, 9, 4])
+    before = consumer.worker.kv_caches[LAYERS[0]][0].clone()
+    other_tail = [*PROMPT[: 3 * BLOCK], *(t + 1 for t in PROMPT[3 * BLOCK :])]
+    assert consumer.load(request("b", other_tail, params), [1, 5, 3, 0]) == 3 * BLOCK
+    assert torch.equal(consumer.worker.kv_caches[LAYERS[0]][0], before)
+    # a prompt whose tokens short of the last end on a block boundary has no partial block
+    aligned = PROMPT[: 3 * BLOCK + 1]
+    params = producer.finish(request("c", aligned, {"do_remote_decode": True}), [7, 2, 9, 4])
+    assert params["remote_block_ids"] == [7, 2, 9]
+    assert consumer.load(request("d", aligned, params), [1, 5, 3, 0]) == 3 * BLOCK
 
 
 def test_a_request_finished_before_its_prompt_was_computed_holds_only_computed_blocks():
@@ -128,7 +145,7 @@ def test_a_request_finished_before_its_prompt_was_computed_holds_only_computed_b
     assert producer.scheduler.request_finished(aborted, [7, 2, 9, 4]) == (False, None)
     aborted.num_computed_tokens = BLOCK + 3
     _, params = producer.scheduler.request_finished(aborted, [7, 2, 9, 4])
-    assert params["remote_block_ids"] == [7] and len(params["block_hashes"]) == 1
+    assert params["remote_block_ids"] == [7, 2] and len(params["block_hashes"]) == 1
 
 
 def test_forged_params_get_no_block_of_another_prompt_or_salt():
@@ -142,7 +159,7 @@ def test_forged_params_get_no_block_of_another_prompt_or_salt():
         assert torch.equal(consumer.worker.kv_caches[name], before[name])
     assert consumer.scheduler.get_stats() == {"kv_transfer_recomputed": 2}
     assert producer.step() == (None, None)
-    assert consumer.load(request("rightful", PROMPT, params), [1, 5, 3, 0]) == 3 * BLOCK
+    assert consumer.load(request("rightful", PROMPT, params), [1, 5, 3, 0]) == ALL_BUT_LAST
     assert producer.step() == ({"victim"}, None)
 
 
@@ -231,3 +248,61 @@ def test_engine_without_a_connector_refuses_kv_transfer_params(tiny_dir):
     params = SamplingParams(extra_args={"kv_transfer_params": {"do_remote_decode": True}})
     with pytest.raises(ValueError, match="kv_transfer_params need a KV connector"):
         llm.generate({"prompt_token_ids": PROMPT}, params)
+
+
+def test_decode_engine_computes_only_the_last_prompt_token(tiny_dir):
+    """Two engines in one process: the decode engine, given the prefill engine's params,
+    computes one prompt token per request (counters) and answers as the prefill engine does."""
+    import threading
+
+    from tokenmill import LLM
+
+    port = free_port()
+
+    def engine(kv_role: str, **extra) -> LLM:
+        config = {"kv_connector": "p2p", "kv_role": kv_role, "kv_connector_extra_config": extra}
+        return LLM(tiny_dir, kv_transfer_config=config, block_size=BLOCK, kv_cache_memory_bytes=2**24)
+
+    prefill, decode = engine("kv_producer", port=port), engine("kv_consumer")
+    prompts = [PROMPT, [t + 3 for t in PROMPT[: 3 * BLOCK + 1]], [t + 7 for t in PROMPT[:40]]]
+    prefill_params = SamplingParams(
+        temperature=0, max_tokens=1, extra_args={"kv_transfer_params": {"do_remote_decode": True}}
+    )
+    producer = prefill.llm_engine
+    for i, prompt in enumerate(prompts):
+        producer.add_request(f"p{i}", {"prompt_token_ids": prompt}, prefill_params)
+    held: dict[str, dict] = {}
+    while len(held) < len(prompts):
+        held.update({o.request_id: o.kv_transfer_params for o in producer.step() if o.finished})
+
+    def serve() -> None:
+        """Step the prefill engine (its worker learns of the held blocks in a step) until
+        every block was pulled."""
+        while prefill.get_stats()["kv_blocks_held_for_transfer"]:
+            producer.step()
+
+    serving = threading.Thread(target=serve)
+    serving.start()
+    greedy = dict(temperature=0, max_tokens=6, logprobs=2)
+    pulling = [SamplingParams(**greedy, extra_args={"kv_transfer_params": held[f"p{i}"]}) for i in range(3)]
+    got = decode.generate([{"prompt_token_ids": p} for p in prompts], pulling, use_tqdm=False)
+    serving.join(timeout=30)
+    assert not serving.is_alive()
+    want = prefill.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(**greedy), use_tqdm=False)
+    for g, w in zip(got, want, strict=True):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        for gs, ws in zip(g.outputs[0].logprobs, w.outputs[0].logprobs, strict=True):
+            assert {t: round(lp.logprob, 4) for t, lp in gs.items()} == {
+                t: round(lp.logprob, 4) for t, lp in ws.items()
+            }
+    stats = decode.get_stats()
+    computed = (
+        stats["prefix_cache_query_tokens"]
+        - stats["prefix_cache_hit_tokens"]
+        - stats["external_prefix_cache_hit_tokens"]
+    )
+    assert computed == len(prompts)
+    assert stats["external_prefix_cache_hit_tokens"] == sum(len(p) - 1 for p in prompts)
+    assert stats["kv_transfer_recomputed"] == 0
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    assert prefill.get_stats()["kv_blocks_held_for_transfer"] == 0

@@ -1,7 +1,7 @@
 """Disaggregated serving end to end: ``tokenmill router`` over a prefill instance and a decode
 instance (real ``tokenmill serve`` subprocesses on the default model, the ``p2p`` connector)
 answers greedy requests exactly as one instance does alone, the decode instance computing only
-the prompt's last (partial) block; and a decode instance that cannot pull the KV (prefill gone,
+the prompt's last token (its counters say so); and a decode instance that cannot pull the KV (prefill gone,
 blocks timed out, params forged or stale) computes the prompt itself, holding no block after."""
 
 from __future__ import annotations
@@ -81,8 +81,17 @@ def same_completion(got: dict, want: dict) -> None:
 
 
 def remote_block_tokens(num_prompt_tokens: int) -> int:
-    """Prompt tokens a decode instance pulls: whole blocks, short of the block with the last."""
-    return (num_prompt_tokens - 1) // BLOCK * BLOCK
+    """Prompt tokens a decode instance pulls: all but the last, partial last block included."""
+    return num_prompt_tokens - 1
+
+
+def computed_prompt_tokens(metrics: dict[str, float]) -> float:
+    """Prompt tokens an instance computed: looked up, neither a local hit nor a connector's."""
+    return (
+        metrics["tokenmill:prefix_cache_queries_total"]
+        - metrics["tokenmill:prefix_cache_hits_total"]
+        - metrics["tokenmill:external_prefix_cache_hits_total"]
+    )
 
 
 def test_router_answers_as_one_instance_and_decode_computes_only_the_tail(instances):
@@ -141,13 +150,17 @@ def test_32_long_prompts_through_the_router_equal_one_instance(instances):
     lengths = [w["usage"]["prompt_tokens"] for w in want]
     assert min(lengths) >= 100 and max(lengths) <= 1000
     prefill.wait_idle()
+    before = decode.wait_idle()
     for ref in want:
         got = complete(router.url, ref["choices"][0]["prompt_token_ids"])
         same_completion(got, ref)
         n = got["usage"]["prompt_tokens"]
         assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == remote_block_tokens(n)
     prefill.wait_idle()
-    decode.wait_idle()
+    after = decode.wait_idle()
+    # the decode instance computed one prompt token per request, the one giving its logits
+    assert computed_prompt_tokens(after) - computed_prompt_tokens(before) == len(prompts)
+    assert after["tokenmill:kv_transfer_recomputed_total"] == before["tokenmill:kv_transfer_recomputed_total"]
 
 
 def test_prefix_affinity_follows_the_decode_instance_kv_events(instances):
