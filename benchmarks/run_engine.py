@@ -33,15 +33,33 @@ def make_workload(name: str, vocab_size: int, seed: int = 0, num_prompts: int | 
     return prompts, [int(k) for k in out_lens]
 
 
+def lora_requests(lora_request_cls, num_prompts: int, lora_dirs: list[str]) -> list | None:
+    """Request ``i`` gets adapter ``i % len(lora_dirs)`` (ids from 1), or None without adapters."""
+    if not lora_dirs:
+        return None
+    loras = [lora_request_cls(f"lora{i}", i, d) for i, d in enumerate(lora_dirs, start=1)]
+    return [loras[i % len(loras)] for i in range(num_prompts)]
+
+
+def lora_engine_args(args) -> dict:
+    if not args.lora_dirs:
+        return {}
+    return dict(enable_lora=True, max_loras=len(args.lora_dirs), max_lora_rank=args.max_lora_rank)
+
+
 def run_tokenmill(model, prompts, out_lens, args):
-    from tokenmill import LLM, SamplingParams
+    from tokenmill import LLM, LoRARequest, SamplingParams
 
     llm = LLM(model=model, enable_prefix_caching=False, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, quantization=args.quantization)
+              max_num_batched_tokens=args.max_num_batched_tokens, quantization=args.quantization,
+              **lora_engine_args(args))
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in out_lens]
-    llm.generate([{"prompt_token_ids": prompts[0][:8]}], SamplingParams(max_tokens=2), use_tqdm=False)
+    loras = lora_requests(LoRARequest, len(prompts), args.lora_dirs)
+    warm = loras[: len(args.lora_dirs)] if loras else None
+    llm.generate([{"prompt_token_ids": prompts[0][:8]}] * len(warm or [0]), SamplingParams(max_tokens=2),
+                 use_tqdm=False, lora_request=warm)
     start = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, lora_request=loras)
     elapsed = time.perf_counter() - start
     return elapsed, sum(len(o.outputs[0].token_ids) for o in outs)
 
@@ -49,13 +67,18 @@ def run_tokenmill(model, prompts, out_lens, args):
 def run_vllm(model, prompts, out_lens, args):
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
+    from vllm.lora.request import LoRARequest
 
     llm = LLM(model=model, dtype="float32", enable_prefix_caching=False,
-              gpu_memory_utilization=0.5, max_num_seqs=args.max_num_seqs, seed=0)
+              gpu_memory_utilization=args.vllm_gpu_memory_utilization, max_num_seqs=args.max_num_seqs, seed=0, **lora_engine_args(args))
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in out_lens]
-    llm.generate([TokensPrompt(prompt_token_ids=prompts[0][:8])], SamplingParams(max_tokens=2), use_tqdm=False)
+    loras = lora_requests(LoRARequest, len(prompts), args.lora_dirs)
+    warm = loras[: len(args.lora_dirs)] if loras else None
+    llm.generate([TokensPrompt(prompt_token_ids=prompts[0][:8])] * len(warm or [0]), SamplingParams(max_tokens=2),
+                 use_tqdm=False, lora_request=warm)
     start = time.perf_counter()
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False,
+                        lora_request=loras)
     elapsed = time.perf_counter() - start
     return elapsed, sum(len(o.outputs[0].token_ids) for o in outs)
 
@@ -126,6 +149,11 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--hf-batch-size", type=int, default=16)
     parser.add_argument("--quantization", default=None, help="tokenmill's quantization method")
+    parser.add_argument("--lora-dirs", type=lambda v: v.split(",") if v else [], default=[],
+                        help="comma-separated PEFT adapter directories, spread over the requests")
+    parser.add_argument("--max-lora-rank", type=int, default=16)
+    parser.add_argument("--vllm-gpu-memory-utilization", type=float, default=0.5,
+                        help="vLLM's share of the host memory for weights and KV cache (CPU backend)")
     args = parser.parse_args()
     prompts, out_lens = make_workload(args.workload, args.vocab_size, num_prompts=args.num_prompts)
     runner = {"tokenmill": run_tokenmill, "vllm": run_vllm, "hf": run_hf}[args.engine]

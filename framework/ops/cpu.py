@@ -70,7 +70,7 @@ SIGNATURES = {
     "w8a8_linear": [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64],
     "fp8_linear": [_PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64],
     "fp8_dequantize": [_PTR, _PTR, _PTR, _I64, _I64],
-    "lora_apply": [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64],
+    "lora_apply": [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64],
 }
 
 
@@ -320,10 +320,10 @@ def lora_apply(
     ``x [T, K]`` (rows of both may be strided, features contiguous). ``lora_a`` [L*S*R, K] and
     ``lora_b`` [L*S*R, N] (contiguous) stack ``max_rank`` (R) rows per slot and slice, of which
     the first ``slice_ranks`` [L, S] are used; ``slice_offsets`` [S + 1] are the slices' output
-    columns; ``token_slots`` [T] is each token's slot, -1 for none."""
+    columns; ``token_slots`` [T] is each token's slot (below L), -1 for none."""
     token_slots, slice_ranks, slice_offsets = _int64(token_slots), _int64(slice_ranks), _int64(slice_offsets)
     load().lora_apply(
         out.data_ptr(), out.stride(0), x.data_ptr(), x.stride(0), lora_a.data_ptr(), lora_b.data_ptr(),
         token_slots.data_ptr(), slice_ranks.data_ptr(), slice_offsets.data_ptr(), x.shape[0], x.shape[1],
-        out.shape[1], slice_ranks.shape[1], max_rank,
+        out.shape[1], slice_ranks.shape[1], slice_ranks.shape[0], max_rank,
     )

@@ -77,7 +77,8 @@ def _build(impl: str, *args) -> LoRAApply:
 @pytest.mark.parametrize("widths", [[37], [41, 13, 13], [29, 29]])
 def test_lora_apply_matches_per_row_loop(widths, impl, monkeypatch):
     """Ranks 8-64 (and 17, 33: not multiples of the kernels' blocks), odd sizes, slices an
-    adapter leaves alone, tokens without an adapter, a strided output; each implementation:
+    adapter leaves alone, tokens without an adapter, rows interleaved and in runs of one
+    adapter, a strided output; each implementation:
     the torch path, the CPU platform's C kernel, the CUDA platform's Triton kernel."""
     from tokenmill.ops import cpu as cpu_ops
 
@@ -102,7 +103,12 @@ def test_lora_apply_matches_per_row_loop(widths, impl, monkeypatch):
     slots = [(t * 7) % 6 - 1 for t in range(tokens)]  # slots -1..4: -1 is the base model
     slots = [s if s < max_loras else -1 for s in slots]
     assert -1 in slots and set(range(max_loras)) <= set(slots)
-    for used in (slots, [s if s in (-1, 1) else -1 for s in slots]):
+    # Runs of one slot as a prefill makes them (1 to 9 rows: full and partial tiles of the
+    # kernels' grouping), next to the interleaved rows of a decode step.
+    runs = [(0, 1), (1, 6), (-1, 3), (2, 9), (3, 2), (1, 2)]
+    segments = [slot for slot, length in runs for _ in range(length)]
+    assert len(segments) == tokens
+    for used in (slots, [s if s in (-1, 1) else -1 for s in slots], segments):
         _set_mapping(mapping, used)
         base = torch.randn(tokens, sum(widths))
         out = torch.randn(tokens, sum(widths) + 5)[:, 2 : 2 + sum(widths)]  # rows strided
@@ -110,7 +116,7 @@ def test_lora_apply_matches_per_row_loop(widths, impl, monkeypatch):
         apply(x, out)
         expected = base.double() + _loop_reference(x, used, adapters, widths)
         torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-3)
-    assert len(calls) == (2 if impl == "cpu_c" else 0)
+    assert len(calls) == (3 if impl == "cpu_c" else 0)
     if impl != "triton":
         mapping.onehot = mapping.token_slots = None
         out = base.clone()
