@@ -72,6 +72,8 @@ NOT_RUN = {
     "tokenmill serve --port 8100 --kv-transfer-config": "parsed only: tests/server/test_disaggregated.py runs a p2p prefill instance",
     "tokenmill serve --port 8200 --kv-transfer-config": "parsed only: tests/server/test_disaggregated.py runs a p2p decode instance",
     "tokenmill router --port 8000": "parsed only: tests/server/test_disaggregated.py runs the router over real instances",
+    "python benchmarks/lora.py": "a benchmark (minutes, and vLLM's CPU build for the comparison); "
+    "tests/lora/test_lora_units.py checks the kernel it times against the per-row reference",
     "tokenmill bench latency": "parsed only: the documented sizes take minutes; tests/e2e/test_progress.py runs it on a tiny model",
 }
 """Shell commands not run as written (prefix -> why, and where they are exercised)."""

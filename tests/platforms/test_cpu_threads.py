@@ -3,6 +3,7 @@ following it."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -15,9 +16,7 @@ import torch
 from conftest import make_tiny_checkpoint
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.ops import cpu as cpu_ops
 from tokenmill.platforms.cpu import CpuPlatform
-from tokenmill.platforms.cpu_graph import _Recorder
 from tokenmill.platforms.cpu_threads import AdaptiveThreads, Sample, read_idle
 
 CPUS = frozenset(os.sched_getaffinity(0))
@@ -121,38 +120,39 @@ def test_busy_processes_on_every_core_leave_one_thread():
     assert adaptive.threads == 1
 
 
-def cpu_split(fn) -> tuple[float, float]:
-    """This thread's and the whole process's CPU seconds while ``fn`` runs."""
+RECORD_AND_REPLAY = """
+import json, time, torch
+from tokenmill.ops import cpu as cpu_ops
+from tokenmill.platforms.cpu_graph import _Recorder
+
+assert cpu_ops.load() is not None
+x, w = torch.randn(1024, 4096), torch.randn(4096)
+torch.set_num_threads(2)
+with _Recorder() as recorder:
+    cpu_ops.rms_norm(x, w, 1e-6)
+[(kernel, args)] = recorder.calls
+split = {}
+for threads in (1, 2):
+    torch.set_num_threads(threads)
     thread, process = time.thread_time(), time.process_time()
-    fn()
-    return time.thread_time() - thread, time.process_time() - process
+    for _ in range(20):
+        kernel(*args)
+    split[threads] = (time.thread_time() - thread, time.process_time() - process)
+print(json.dumps(split))
+"""
 
 
 @pytest.mark.skipif(len(CPUS) < 2, reason="needs two CPUs")
 def test_a_recorded_kernel_call_runs_on_the_calling_threads_count():
     """Kernels take no thread count: a decode graph recorded at two threads replays on one
-    after ``before_step`` lowered the count."""
-    assert cpu_ops.load() is not None
-    x, w = torch.randn(1024, 4096), torch.randn(4096)
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        with _Recorder() as recorder:
-            cpu_ops.rms_norm(x, w, 1e-6)
-        [(kernel, args)] = recorder.calls
-
-        def replay() -> None:
-            for _ in range(20):
-                kernel(*args)
-
-        torch.set_num_threads(1)
-        alone, total = cpu_split(replay)
-        assert total - alone < 0.1 * alone
-        torch.set_num_threads(2)
-        alone, total = cpu_split(replay)
-        assert total - alone > 0.3 * alone
-    finally:
-        torch.set_num_threads(before)
+    after ``before_step`` lowered the count. (In a fresh process, so that no other thread of
+    the test process adds CPU time.)"""
+    out = subprocess.run([sys.executable, "-c", RECORD_AND_REPLAY], capture_output=True, text=True, check=True)
+    split = json.loads(out.stdout.strip().splitlines()[-1])
+    alone, total = split["1"]
+    assert total - alone < 0.1 * alone
+    alone, total = split["2"]
+    assert total - alone > 0.3 * alone
 
 
 @pytest.mark.skipif(len(CPUS) < 2, reason="needs two CPUs")
