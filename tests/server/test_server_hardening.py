@@ -326,7 +326,8 @@ def test_health_reports_an_engine_core_that_stopped_stepping(server):
     try:
         stopped = time.monotonic()
         response = wait_for_health(server, 503, within=STALL_TIMEOUT_S + 3)
-        assert time.monotonic() - stopped >= STALL_TIMEOUT_S
+        # The stall counts from the core's last step, which came before the stop by up to a step.
+        assert time.monotonic() - stopped >= STALL_TIMEOUT_S - 0.5
         message = assert_openai_error(response, 503)
         assert "no progress" in message, message
     finally:
