@@ -3,7 +3,7 @@ two stages (``pipeline_parallel_size=2``, one worker process each) with the queu
 per stage in flight) and without it (``TOKENMILL_PP_BATCH_QUEUE=0``: one step at a time),
 on the same batch-parallel workload.
 
-    python benchmarks/pipeline_parallel.py [--num-prompts 8 --input-len 32 --output-len 16]
+    python benchmarks/pipeline_parallel.py [--num-prompts 32 --input-len 64 --output-len 32]
 
 The token budget holds half the prompts, so the requests form two batches that alternate
 through the stages. Both engines are built first, then measured in alternating rounds (the
@@ -56,10 +56,10 @@ def measure(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--num-prompts", type=int, default=8)
-    parser.add_argument("--input-len", type=int, default=32)
-    parser.add_argument("--output-len", type=int, default=16)
-    parser.add_argument("--repeats", type=int, default=2, help="alternating rounds; best kept")
+    parser.add_argument("--num-prompts", type=int, default=32)
+    parser.add_argument("--input-len", type=int, default=64)
+    parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3, help="alternating rounds; best kept")
     args = parser.parse_args()
     prompts = random_prompts(49152, (args.input_len,) * args.num_prompts, seed=0)
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
