@@ -1,5 +1,6 @@
-"""Train the EAGLE heads shipped for the default model (SmolLM2-135M-Instruct), on the CPU, by
-self-distillation: the target's own greedy continuations of locally written prompts are the data.
+"""Train the EAGLE heads shipped for the default model (SmolLM2-135M-Instruct), on the CPU: the
+target's own labels (its argmax at every position) over its greedy continuations of locally
+written prompts and, with ``--corpus``, over local text it is teacher-forced on.
 
 1. Prompts, in two rounds. Round one asks for ``--paragraphs`` paragraphs about topics; round
    two (``--prompts``) is half topic x task requests, half questions about one to three
@@ -7,13 +8,17 @@ self-distillation: the target's own greedy continuations of locally written prom
    README and the passages of ``benchmarks/spec_decode.py`` are left out: the benchmark's
    prompts come from them.
 2. tokenmill generates each prompt's greedy continuation (``--gen-tokens``, ``ignore_eos``).
-3. transformers runs the same weights over prompt + continuation once and keeps, float16 in
-   memory, the residual stream entering layers 2, 15 and 27 (what the engine feeds an EAGLE-3
-   head), the final normalised state (what it feeds an EAGLE-1 head) and the target's argmax
-   at every position.
+   With ``--corpus`` (a file of ``scripts/eagle_corpus.py``: manual pages, the standard
+   library's documentation, package READMEs), ``--corpus-tokens`` tokens of its documents are
+   added as pieces of ``--corpus-seq-len`` tokens (the target is teacher-forced on them: no
+   generation).
+3. transformers runs the same weights over each sequence once and keeps, float16, the residual
+   stream entering layers 2, 15 and 27 (what the engine feeds an EAGLE-3 head), the final
+   normalised state (what it feeds an EAGLE-1 head) and the target's argmax at every position.
 4. The ``--draft-vocab`` tokens the target predicts most often are the head's draft vocabulary
    (``d2t`` maps them back): an EAGLE-3 head's LM head has those rows; an EAGLE-1 head is
    trained through the target's LM head rows of them, and ships those rows as its own.
+   ``--init-head`` starts from a trained head and keeps its vocabulary.
 5. ``--method eagle3``: ``fc`` over the three layers' states, one Llama decoder layer over
    ``[embedding || hidden]``, norm, LM head over the draft vocabulary (started from the
    target's tied embedding rows and final norm). ``--method eagle``: ``fc`` over
@@ -24,15 +29,21 @@ self-distillation: the target's own greedy continuations of locally written prom
    unrolled over ``--ttt-steps`` draft steps as at inference: step j feeds back the head's own
    output of step j - 1 and attends to the earlier positions' step-0 entries plus its own
    chain (EAGLE-3's "training-time test"). The learning rate follows a cosine over
-   ``--train-minutes``, and the head is saved every ``--save-minutes`` (the data of steps 1-3
-   once, with ``--data``).
+   ``--total-steps``.
 6. The head is written as float16 safetensors in its authors' layout (EAGLE-3: ``fc``,
    ``midlayer.*``, ``norm``, ``lm_head``, ``d2t``, ``t2d``; EAGLE-1: ``fc``, ``layers.0.*``,
-   and ``lm_head``, ``d2t``, ``t2d`` as EAGLE-3's)
-   with its ``config.json``; the held-out top-1 (generated positions of held-out prompts) is
-   printed per draft step.
+   and ``lm_head``, ``d2t``, ``t2d`` as EAGLE-3's) with its ``config.json``, and the held-out
+   top-1 per draft step is printed per kind of text: generated positions of held-out chat
+   prompts, every position of held-out corpus documents.
 
-    python scripts/train_eagle.py --method eagle3 --out spec_decode/heads/SmolLM2-135M-Instruct-eagle3
+Training is resumable (``Workdir``): the data is made once, in shards listed in a manifest, and
+the head, optimizer and step count are saved every ``--save-minutes``; a run stops after
+``--train-minutes`` and the next run with the same ``--workdir`` goes on where it stopped, until
+``--total-steps``::
+
+    python scripts/eagle_corpus.py --out /work/eagle/corpus.jsonl
+    python scripts/train_eagle.py --method eagle3 --out spec_decode/heads/SmolLM2-135M-Instruct-eagle3 \
+        --workdir /work/eagle --corpus /work/eagle/corpus.jsonl --corpus-tokens 400000
 
 Seeded (``--seed``); what it printed for the shipped heads is in their README.md.
 """
@@ -40,15 +51,17 @@ Seeded (``--seed``); what it printed for the shipped heads is in their README.md
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import random
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -493,23 +506,150 @@ def step_losses(model, ids, labels, feats, regress, steps):
     return out
 
 
+@dataclass
+class Sequence:
+    """One training or held-out sequence: its token ids, and the first position whose next
+    token is scored on held-out data (chat: the generated tokens; corpus text: all)."""
+
+    ids: list[int]
+    scored_from: int
+    kind: str
+
+
+def chat_sequences(args: argparse.Namespace) -> list[Sequence]:
+    """Steps 1-2: the default model's greedy continuations of the composed prompts."""
+    pairs = make_data(args.paragraphs, args.prompts, args.gen_tokens, args.seed)
+    return [Sequence(prompt + gen, len(prompt), "chat") for prompt, gen in pairs]
+
+
+def corpus_sequences(path: Path, tokens: int, seq_len: int, seed: int) -> list[Sequence]:
+    """Pieces of ``seq_len`` tokens of the documents of ``eagle_corpus.py``'s file, in a seeded
+    order, until ``tokens`` tokens of training documents and a twentieth of that of held-out
+    ones are taken; held-out pieces are kinded ``<kind>-held-out``."""
+    from transformers import AutoTokenizer
+
+    from tokenmill.default_model import default_model_path
+
+    tokenizer = AutoTokenizer.from_pretrained(str(default_model_path()))
+    docs = [json.loads(line) for line in path.read_text().splitlines()]
+    random.Random(seed).shuffle(docs)
+    budget = {False: tokens, True: tokens // 20}
+    out = []
+    for doc in docs:
+        if budget[doc["held_out"]] <= 0:
+            continue
+        ids = tokenizer(doc["text"])["input_ids"]
+        for i in range(0, len(ids) - seq_len // 4, seq_len):
+            piece = ids[i : i + seq_len]
+            kind = doc["kind"] + ("-held-out" if doc["held_out"] else "")
+            out.append(Sequence(piece, 1, kind))
+            budget[doc["held_out"]] -= len(piece)
+            if budget[doc["held_out"]] <= 0:
+                break
+    return out
+
+
+class Workdir:
+    """What a training run keeps between runs, in one directory:
+
+    - ``manifest.json``: the arguments that made the data, the corpus file's digest and, per
+      shard, its file, kind and token count;
+    - ``shards/NNNN.pt``: sequences and the target's features over them (``target_features``),
+      written one shard at a time, so an interrupted run resumes at the first shard missing;
+    - ``state-<method>.pt``: the head, the optimizer, the steps done and the draft vocabulary,
+      saved every ``--save-minutes``; a run with this file goes on from it.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        (path / "shards").mkdir(parents=True, exist_ok=True)
+        manifest = path / "manifest.json"
+        self.manifest = json.loads(manifest.read_text()) if manifest.exists() else {"sources": {}, "shards": []}
+
+    def save_manifest(self) -> None:
+        (self.path / "manifest.json").write_text(json.dumps(self.manifest, indent=1) + "\n")
+
+    def sequences(self, name: str, meta: dict, make) -> list[Sequence]:
+        """The sequences of source ``name`` (``chat`` or ``corpus``), made by ``make()`` once and
+        kept; a source made with other ``meta`` is refused rather than mixed."""
+        cached = self.path / f"{name}-sequences.pt"
+        known = self.manifest["sources"].get(name)
+        if known is not None and known != meta:
+            raise SystemExit(f"{self.path}: its {name} data was made with {known}, not {meta}; use another --workdir")
+        if not cached.exists():
+            torch.save([vars(s) for s in make()], cached)
+            self.manifest["sources"][name] = meta
+            self.save_manifest()
+        return [Sequence(**s) for s in torch.load(cached)]
+
+    def featurize(self, model_dir: str, seqs: list[Sequence], shard_sequences: int, batch_tokens: int) -> None:
+        """Step 3, one shard at a time, for the sequences no shard holds yet."""
+        done = sum(shard["sequences"] for shard in self.manifest["shards"])
+        for start in range(done, len(seqs), shard_sequences):
+            part = seqs[start : start + shard_sequences]
+            feats, lasts, preds, embed, final_norm = target_features(
+                model_dir, [(s.ids[:1], s.ids[1:]) for s in part], batch_tokens
+            )
+            name = f"shards/{len(self.manifest['shards']):04d}.pt"
+            torch.save({"seqs": [vars(s) for s in part], "feats": feats, "lasts": lasts, "preds": preds}, self.path / name)
+            torch.save((embed, final_norm), self.path / "target.pt")
+            kinds = sorted({s.kind for s in part})
+            self.manifest["shards"].append(
+                {"file": name, "sequences": len(part), "tokens": sum(len(s.ids) for s in part), "kinds": kinds}
+            )
+            self.save_manifest()
+            print(f"features: shard {name} ({start + len(part)}/{len(seqs)} sequences)", flush=True)
+
+    def load(self, method: str):
+        """Every shard's (sequence, its states for ``method``, the target's predictions)."""
+        rows = []
+        for shard in self.manifest["shards"]:
+            data = torch.load(self.path / shard["file"])
+            states = data["feats"] if method == "eagle3" else data["lasts"]
+            rows += [(Sequence(**s), f, p) for s, f, p in zip(data["seqs"], states, data["preds"])]
+        embed, final_norm = torch.load(self.path / "target.pt")
+        return rows, embed, final_norm
+
+
+def evaluate(model: DraftHead, evals: dict, batch_tokens: int, steps: int, rng: random.Random) -> dict[str, list[float]]:
+    """Held-out top-1 per unrolled step, per kind of held-out text."""
+    result = {}
+    with torch.no_grad():
+        for kind, examples in sorted(evals.items()):
+            hits, tokens = [0.0] * steps, 0
+            for group in batches(examples, batch_tokens, rng):
+                batch = collate(examples, group)
+                n = (batch[1] != -100).sum().item()
+                tokens += n
+                for j, (_, acc) in enumerate(step_losses(model, *batch, steps)):
+                    hits[j] += acc.item() * n
+            result[kind] = [round(h / tokens, 4) for h in hits]
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--method", choices=("eagle3", "eagle"), default="eagle3")
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--workdir", type=Path, required=True, help="data shards and training state, kept between runs")
     parser.add_argument("--paragraphs", type=int, default=640, help="round one's prompts")
     parser.add_argument("--prompts", type=int, default=2560, help="round two's prompts")
     parser.add_argument("--gen-tokens", type=int, default=128)
+    parser.add_argument("--corpus", type=Path, help="a JSONL file of scripts/eagle_corpus.py")
+    parser.add_argument("--corpus-tokens", type=int, default=0, help="training tokens taken from --corpus")
+    parser.add_argument("--corpus-seq-len", type=int, default=512)
+    parser.add_argument("--shard-sequences", type=int, default=256)
     parser.add_argument("--draft-vocab", type=int, default=4096,
                         help="the draft vocabulary: the tokens the head's logits are over")
+    parser.add_argument("--init-head", type=Path, help="start from this head (and its draft vocabulary)")
     parser.add_argument("--intermediate-size", type=int, default=768)
     parser.add_argument("--ttt-steps", type=int, default=3)
-    parser.add_argument("--train-minutes", type=float, default=30)
+    parser.add_argument("--total-steps", type=int, default=640, help="the learning-rate schedule's length, over runs")
+    parser.add_argument("--train-minutes", type=float, default=30, help="this run's training time at most")
     parser.add_argument("--save-minutes", type=float, default=5)
     parser.add_argument("--batch-tokens", type=int, default=2048)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--data", type=Path, help="cache of steps 1-3 (written if missing)")
     args = parser.parse_args()
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
@@ -518,44 +658,61 @@ def main() -> None:
     model_dir = str(default_model_path())
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     t0 = time.perf_counter()
-    if args.data is not None and args.data.exists():
-        seqs, feats, lasts, preds, embed, final_norm = torch.load(args.data)
-    else:
-        seqs = make_data(args.paragraphs, args.prompts, args.gen_tokens, args.seed)
-        print(f"generated {sum(len(g) for _, g in seqs)} tokens in {time.perf_counter() - t0:.0f} s", flush=True)
-        feats, lasts, preds, embed, final_norm = target_features(model_dir, seqs, 4 * args.batch_tokens)
-        if args.data is not None:
-            torch.save((seqs, feats, lasts, preds, embed, final_norm), args.data)
-    print(f"data ready after {time.perf_counter() - t0:.0f} s: {len(seqs)} sequences, "
-          f"{sum(len(p) for p, _ in seqs)} prompt and {sum(len(g) for _, g in seqs)} generated tokens", flush=True)
+    work = Workdir(args.workdir)
+    chat_meta = {"paragraphs": args.paragraphs, "prompts": args.prompts, "gen_tokens": args.gen_tokens, "seed": args.seed}
+    seqs = work.sequences("chat", chat_meta, lambda: chat_sequences(args))
+    if args.corpus is not None and args.corpus_tokens:
+        corpus_meta = {
+            "file": args.corpus.name, "sha256": hashlib.sha256(args.corpus.read_bytes()).hexdigest(),
+            "tokens": args.corpus_tokens, "seq_len": args.corpus_seq_len, "seed": args.seed,
+        }
+        seqs = seqs + work.sequences(
+            "corpus", corpus_meta, lambda: corpus_sequences(args.corpus, args.corpus_tokens, args.corpus_seq_len, args.seed)
+        )
+    work.featurize(model_dir, seqs, args.shard_sequences, 4 * args.batch_tokens)
+    rows, embed, final_norm = work.load(args.method)
+    print(f"data ready after {time.perf_counter() - t0:.0f} s: {len(rows)} sequences of "
+          f"{sum(len(s.ids) for s, _, _ in rows)} tokens in {len(work.manifest['shards'])} shards", flush=True)
 
-    counts = torch.bincount(torch.cat(preds), minlength=cfg["vocab_size"])
-    draft_ids = counts.argsort(descending=True, stable=True)[: args.draft_vocab].sort().values
-    coverage = counts[draft_ids].sum().item() / counts.sum().item()
+    # Held out: a twentieth of the chat prompts, scored on their generated positions as the
+    # engine drafts, and the corpus documents eagle_corpus.py held out, scored everywhere.
+    chat = [i for i, (s, _, _) in enumerate(rows) if s.kind == "chat"]
+    held = set(random.Random(args.seed).sample(chat, max(1, len(chat) // 20)))
+    held |= {i for i, (s, _, _) in enumerate(rows) if s.kind.endswith("-held-out")}
+    state_path = args.workdir / f"state-{args.method}.pt"
+    state = torch.load(state_path) if state_path.exists() else None
+    if state is not None:
+        draft_ids = state["draft_ids"]
+    elif args.init_head is not None:
+        head_tensors = load_file(str(args.init_head / "model.safetensors"))
+        draft_ids = torch.arange(len(head_tensors["d2t"])) + head_tensors["d2t"]
+    else:
+        counts = torch.bincount(torch.cat([p for i, (_, _, p) in enumerate(rows) if i not in held]), minlength=cfg["vocab_size"])
+        draft_ids = counts.argsort(descending=True, stable=True)[: args.draft_vocab].sort().values
     to_draft = torch.full((cfg["vocab_size"],), -100, dtype=torch.int64)
-    to_draft[draft_ids] = torch.arange(args.draft_vocab)
-    print(f"draft vocabulary {args.draft_vocab}: {coverage:.3f} of the target's predictions", flush=True)
+    to_draft[draft_ids] = torch.arange(len(draft_ids))
 
     # Example: next ids (x[q+1]), labels (vocabulary id of the target's argmax at q+1), the
     # features at q and, for EAGLE-1, the state at q + 1 it regresses to.
-    states = feats if args.method == "eagle3" else lasts
-    examples = [
-        (torch.tensor(pr + g)[1:], to_draft[p[1:]], f[:-1], None if args.method == "eagle3" else f[1:], len(pr))
-        for (pr, g), f, p in zip(seqs, states, preds)
-    ]
-    del feats, lasts, states
-    rng.shuffle(examples)
-    n_eval = max(1, len(examples) // 20)
-    # held out: scored on the generated positions only, as the engine drafts
-    evals = [
-        (ids, lab.clone().index_fill_(0, torch.arange(n - 2), -100), f, r) for ids, lab, f, r, n in examples[:n_eval]
-    ]
-    train = [example[:4] for example in examples[n_eval:]]
+    def example(s: Sequence, f: torch.Tensor, p: torch.Tensor):
+        return torch.tensor(s.ids)[1:], to_draft[p[1:]], f[:-1], None if args.method == "eagle3" else f[1:]
+
+    train = [example(*row) for i, row in enumerate(rows) if i not in held]
+    evals: dict[str, list] = {}
+    for i in sorted(held):
+        s, f, p = rows[i]
+        ids, lab, feat, reg = example(s, f, p)
+        lab = lab.clone().index_fill_(0, torch.arange(max(s.scored_from - 2, 0)), -100)
+        evals.setdefault(s.kind.removesuffix("-held-out"), []).append((ids, lab, feat, reg))
+    del rows
+    coverage = torch.cat([ex[1] for ex in train]).ge(0).float().mean().item()
+    print(f"draft vocabulary {len(draft_ids)}: {coverage:.3f} of the target's predictions; held-out sequences: "
+          + ", ".join(f"{kind} {len(v)}" for kind, v in sorted(evals.items())), flush=True)
 
     cfg_head = dict(cfg, intermediate_size=args.intermediate_size)
     model: DraftHead
     if args.method == "eagle3":
-        model = Eagle3Head(cfg_head, embed, args.draft_vocab)
+        model = Eagle3Head(cfg_head, embed, len(draft_ids))
         with torch.no_grad():
             model.lm_head.weight.copy_(embed[draft_ids])
             model.norm.weight.copy_(final_norm)
@@ -565,20 +722,35 @@ def main() -> None:
         for lin in (model.q_proj, model.k_proj, model.v_proj, model.o_proj, model.gate_proj, model.up_proj, model.down_proj, model.fc):
             nn.init.normal_(lin.weight, std=0.02)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
+    done = 0
+    if state is not None:
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        done = state["done"]
+        print(f"resumed at step {done} of {args.total_steps}", flush=True)
+    elif args.init_head is not None:
+        model.load_checkpoint(head_tensors)
+        if args.method == "eagle":
+            model.lm_rows = head_tensors["lm_head.weight"].float()
+        print(f"held-out top-1 per step of {args.init_head}: {evaluate(model, evals, args.batch_tokens, args.ttt_steps, rng)}",
+              flush=True)
+
+    def save() -> None:
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "done": done, "draft_ids": draft_ids}, state_path)
+        save_head(args.out, model, cfg_head, draft_ids)
+
     weights = [0.8**j for j in range(args.ttt_steps)]
-    budget, warmup = 60 * args.train_minutes, 30
-    done, epoch, saved = 0, 0, 0.0
+    budget, warmup, saved = 60 * args.train_minutes, 30, 0.0
     t_train = time.perf_counter()
-    while (elapsed := time.perf_counter() - t_train) < budget:
-        epoch += 1
+    while done < args.total_steps and time.perf_counter() - t_train < budget:
         for group in batches(train, args.batch_tokens, rng):
             elapsed = time.perf_counter() - t_train
-            if elapsed >= budget:
+            if elapsed >= budget or done >= args.total_steps:
                 break
             if elapsed - saved >= 60 * args.save_minutes:
-                save_head(args.out, model, cfg_head, draft_ids)
+                save()
                 saved = elapsed
-            lr = args.lr * min(1.0, (done + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * elapsed / budget)))
+            lr = args.lr * min(1.0, (done + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * done / args.total_steps)))
             for g in opt.param_groups:
                 g["lr"] = lr
             losses = step_losses(model, *collate(train, group), args.ttt_steps)
@@ -590,25 +762,12 @@ def main() -> None:
             done += 1
             if done % 20 == 0:
                 accs = " ".join(f"{a.item():.3f}" for _, a in losses)
-                print(f"step {done} epoch {epoch} lr {lr:.2e} loss {loss.item():.3f} acc/step {accs} "
-                      f"({elapsed:.0f} s)", flush=True)
-    print(f"trained {done} steps of {args.batch_tokens} tokens ({epoch} epochs begun) in "
-          f"{time.perf_counter() - t_train:.0f} s", flush=True)
-
-    with torch.no_grad():
-        sums = [[0.0, 0.0] for _ in range(args.ttt_steps)]
-        tokens = 0
-        for group in batches(evals, args.batch_tokens, rng):
-            batch = collate(evals, group)
-            n = (batch[1] != -100).sum().item()
-            tokens += n
-            for j, (loss, acc) in enumerate(step_losses(model, *batch, args.ttt_steps)):
-                sums[j][0] += loss.item() * n
-                sums[j][1] += acc.item() * n
-    print("held-out loss / top-1 per step: " + ", ".join(
-        f"{s[0] / tokens:.3f} / {s[1] / tokens:.3f}" for s in sums), flush=True)
-
-    save_head(args.out, model, cfg_head, draft_ids)
+                print(f"step {done} lr {lr:.2e} loss {loss.item():.3f} acc/step {accs} ({elapsed:.0f} s)", flush=True)
+    save()
+    print(f"trained to step {done} of {args.total_steps} ({time.perf_counter() - t_train:.0f} s this run)", flush=True)
+    result = evaluate(model, evals, args.batch_tokens, args.ttt_steps, rng)
+    (args.workdir / f"eval-{args.method}.json").write_text(json.dumps({"step": done, "top1": result}, indent=1) + "\n")
+    print(f"held-out top-1 per step: {result}", flush=True)
     print(f"wrote {args.out} in {time.perf_counter() - t0:.0f} s total", flush=True)
 
 

@@ -9,6 +9,7 @@ import copy
 import importlib.util
 import json
 import random
+import sys
 from pathlib import Path
 
 import pytest
@@ -196,6 +197,7 @@ def _training_script():
     path = Path(__file__).resolve().parents[2] / "scripts" / "train_eagle.py"
     spec = importlib.util.spec_from_file_location("train_eagle", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules["train_eagle"] = module  # its dataclasses look their module up
     spec.loader.exec_module(module)
     return module
 
