@@ -63,6 +63,12 @@ class EngineConfig(EngineArgs):
     """Which engine core this is among those sharing its node's devices: its workers take the
     devices after those of the cores before it (0 under Ray, which shows each core only its
     own devices)."""
+    expert_parallel_init_method: str | None = field(init=False, default=None)
+    """Where the workers of every data-parallel engine core meet (``tcp://host:port``) to
+    form one expert-parallel group (``expert_parallel_across_data_parallel``); set by the
+    front end."""
+    data_parallel_sync_init_method: str | None = field(init=False, default=None)
+    """Where the data-parallel engine cores meet to agree on each step (the same case)."""
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
@@ -152,6 +158,7 @@ class EngineConfig(EngineArgs):
             )
         self._check_lora()
         self._check_kv_transfer()
+        self._check_expert_parallel_across_data_parallel()
         self._refuse_missing_features()
 
     def _check_lora(self) -> None:
@@ -202,6 +209,29 @@ class EngineConfig(EngineArgs):
                 "place blocks by their prefix-cache hashes"
             )
 
+    def _check_expert_parallel_across_data_parallel(self) -> None:
+        """Expert parallelism over data-parallel engine cores: the cores' workers are local
+        processes (``mp``) that run every step together, so what adds steps of its own or
+        places cores elsewhere is refused."""
+        if not self.expert_parallel_across_data_parallel:
+            return
+        refused = {
+            "data_parallel_backend": self.data_parallel_backend == "ray",
+            "distributed_executor_backend": self.distributed_executor_backend not in (None, "mp"),
+            "pipeline_parallel_size": self.pipeline_parallel_size > 1,
+            "speculative_config": self.speculative is not None,
+            "kv_transfer_config": self.kv_transfer is not None,
+        }
+        for name, wanted in refused.items():
+            if wanted:
+                raise ValueError(
+                    f"enable_expert_parallel with data_parallel_size={self.data_parallel_size} "
+                    f"and {name}={getattr(self, name)!r} is not implemented: the engine cores' "
+                    f"workers meet in one expert-parallel group of local processes "
+                    f"(data_parallel_backend='mp', distributed_executor_backend='mp') and step "
+                    f"together; leave {name} at its default"
+                )
+
     def _refuse_missing_features(self) -> None:
         pp = self.pipeline_parallel_size
         if pp > 1 and self.enable_lora:
@@ -216,11 +246,21 @@ class EngineConfig(EngineArgs):
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
     @property
+    def expert_parallel_across_data_parallel(self) -> bool:
+        """Whether the expert-parallel group spans the tensor-parallel ranks of every
+        data-parallel engine core (DP attention + EP MoE)."""
+        return self.enable_expert_parallel and self.data_parallel_size > 1
+
+    @property
     def executor_backend(self) -> str:
-        """``distributed_executor_backend``, resolved: uni for one rank, else mp unless set."""
+        """``distributed_executor_backend``, resolved: uni for one rank, else mp unless set
+        (mp also for one rank whose experts span the data-parallel cores: its worker joins
+        the other cores' workers in a process group of its own)."""
         if self.distributed_executor_backend is not None:
             return self.distributed_executor_backend
-        return "uni" if self.world_size == 1 else "mp"
+        if self.world_size == 1 and not self.expert_parallel_across_data_parallel:
+            return "uni"
+        return "mp"
 
 
 def _positive_int(name: str, value: Any) -> None:

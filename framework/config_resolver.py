@@ -156,8 +156,9 @@ def _check_pipeline_parallel(config: EngineConfig) -> None:
 
 
 def _check_expert_parallel(config: EngineConfig) -> None:
-    """Expert parallelism needs routed experts that split evenly over a stage's
-    tensor-parallel ranks."""
+    """Expert parallelism needs routed experts that split evenly over the expert-parallel
+    ranks: a stage's tensor-parallel ranks, times the data-parallel engine cores when there
+    are several."""
     if not config.enable_expert_parallel:
         return
     experts = getattr(config.hf_config, "n_routed_experts", None)
@@ -165,10 +166,12 @@ def _check_expert_parallel(config: EngineConfig) -> None:
         raise ValueError(
             "enable_expert_parallel: the model has no routed experts (n_routed_experts) to shard"
         )
-    if experts % config.tensor_parallel_size:
+    ep_size = config.tensor_parallel_size * config.data_parallel_size
+    if experts % ep_size:
         raise ValueError(
             f"enable_expert_parallel: the model's {experts} routed experts are not divisible by "
-            f"the expert-parallel size {config.tensor_parallel_size} (tensor_parallel_size)"
+            f"the expert-parallel size {ep_size} (tensor_parallel_size="
+            f"{config.tensor_parallel_size} x data_parallel_size={config.data_parallel_size})"
         )
 
 

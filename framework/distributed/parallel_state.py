@@ -14,10 +14,16 @@ tensor-parallel group, one for the world (the stage-to-stage sends). A caller th
 Ranks are laid out as vLLM's: ``rank = stage * tensor_parallel_size + tp_rank``; a stage's
 ranks form its tensor-parallel group, and each sends its activations to the rank with the
 same ``tp_rank`` in the next stage.
+
+Expert parallelism runs over the expert-parallel group: the tensor-parallel group, or, when
+the experts span ``data_parallel_size`` engine cores (DP attention + EP MoE), the ranks of
+every core, core ``d``'s rank ``r`` being expert-parallel rank ``d * world_size + r``. The
+process group then spans all cores' ranks; each core's ranks form its tensor-parallel group.
 """
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 
 import torch
@@ -29,7 +35,12 @@ from tokenmill.distributed.device_communicator import DeviceCommunicator
 _TP_COMM: DeviceCommunicator | None = None
 """The tensor-parallel group's device communicator (None: not made here)."""
 _WORLD_COMM: DeviceCommunicator | None = None
-"""The world group's device communicator (None: not made here)."""
+"""The communicator of this engine core's ranks (the stages' sends; None: not made here)."""
+_EP_COMM: DeviceCommunicator | None = None
+"""The expert-parallel group's communicator when it spans several engine cores' ranks (None:
+it is the tensor-parallel group)."""
+_EP_PIDS: list[int] = []
+"""The process id of each expert-parallel rank spanning several engine cores."""
 _PP_RANK = 0
 _PP_SIZE = 1
 _TP_SIZE = 1
@@ -49,38 +60,59 @@ def init_distributed_environment(
     communicator_cls: type[DeviceCommunicator],
     device: torch.device,
     all2all_backend: str = "naive",
+    expert_parallel_cores: int = 1,
+    core_index: int = 0,
 ) -> None:
     """Join the ``world_size`` ranks at ``init_method`` (``tcp://host:port``) over ``backend``
     (the platform's ``dist_backend``), split into ``pipeline_parallel_size`` stages whose
     ranks form the tensor-parallel groups (one stage: the world group is the TP group), each
-    group with a ``communicator_cls(group, device, all2all_backend)``."""
-    global _PP_RANK, _PP_SIZE, _TP_SIZE, _TP_COMM, _WORLD_COMM
+    group with a ``communicator_cls(group, device, all2all_backend)``.
+
+    ``expert_parallel_cores > 1`` (one stage only): the ranks of that many engine cores meet
+    at ``init_method``, this one being core ``core_index``'s rank ``rank``, and all of them
+    form the expert-parallel group."""
+    global _PP_RANK, _PP_SIZE, _TP_SIZE, _TP_COMM, _WORLD_COMM, _EP_COMM, _EP_PIDS
     dist.init_process_group(
-        backend, init_method=init_method, rank=rank, world_size=world_size, timeout=INIT_TIMEOUT
+        backend,
+        init_method=init_method,
+        rank=core_index * world_size + rank,
+        world_size=expert_parallel_cores * world_size,
+        timeout=INIT_TIMEOUT,
     )
     _TP_SIZE = world_size // pipeline_parallel_size
     _PP_SIZE = pipeline_parallel_size
     _PP_RANK = rank // _TP_SIZE
-    group = None
+    group = world_group = None
     if pipeline_parallel_size > 1:
         for stage in range(pipeline_parallel_size):
             ranks = list(range(stage * _TP_SIZE, (stage + 1) * _TP_SIZE))
             stage_group = dist.new_group(ranks, timeout=INIT_TIMEOUT)
             if stage == _PP_RANK:
                 group = stage_group
-    _WORLD_COMM = communicator_cls(None, device, all2all_backend)
+    if expert_parallel_cores > 1:
+        assert pipeline_parallel_size == 1
+        for core in range(expert_parallel_cores):
+            ranks = list(range(core * world_size, (core + 1) * world_size))
+            core_group = dist.new_group(ranks, timeout=INIT_TIMEOUT)
+            if core == core_index:
+                group = world_group = core_group
+        _EP_COMM = communicator_cls(None, device, all2all_backend)
+        pids = [torch.empty(1, dtype=torch.int64) for _ in range(_EP_COMM.world_size)]
+        dist.all_gather(pids, torch.tensor([os.getpid()]))
+        _EP_PIDS = [int(p) for p in pids]
+    _WORLD_COMM = communicator_cls(world_group, device, all2all_backend)
     _TP_COMM = communicator_cls(group, device, all2all_backend)
 
 
 def destroy_distributed_environment() -> None:
     """Leave the process group after a barrier, so no rank closes its connections while
     another still uses them."""
-    global _PP_RANK, _PP_SIZE, _TP_SIZE, _TP_COMM, _WORLD_COMM
+    global _PP_RANK, _PP_SIZE, _TP_SIZE, _TP_COMM, _WORLD_COMM, _EP_COMM, _EP_PIDS
     if dist.is_available() and dist.is_initialized():
         _wait_for_send()
         dist.barrier()
         dist.destroy_process_group()
-    _PP_RANK, _PP_SIZE, _TP_SIZE, _TP_COMM, _WORLD_COMM = 0, 1, 1, None, None
+    _PP_RANK, _PP_SIZE, _TP_SIZE, _TP_COMM, _WORLD_COMM, _EP_COMM, _EP_PIDS = 0, 1, 1, None, None, None, []
 
 
 def get_tp_communicator() -> DeviceCommunicator | None:
@@ -92,6 +124,33 @@ def get_tp_communicator() -> DeviceCommunicator | None:
     if dist.is_available() and dist.is_initialized():
         return DeviceCommunicator(None, torch.device("cpu"))
     return None
+
+
+def get_ep_communicator() -> DeviceCommunicator | None:
+    """The expert-parallel group's device communicator: the one spanning several engine
+    cores' ranks, else the tensor-parallel group's."""
+    return _EP_COMM if _EP_COMM is not None else get_tp_communicator()
+
+
+def expert_parallel_spans_cores() -> bool:
+    """Whether the expert-parallel group holds other engine cores' ranks, so that every
+    step's MoE collectives must be met by every core (an idle one with a dummy step)."""
+    return _EP_COMM is not None
+
+
+def dead_expert_parallel_ranks() -> list[tuple[int, int]]:
+    """``(expert-parallel rank, pid)`` of the ranks (of any engine core, all on this
+    machine) whose process has exited: what a failed collective is blamed on."""
+    return [(rank, pid) for rank, pid in enumerate(_EP_PIDS) if not _process_running(pid)]
+
+
+def _process_running(pid: int) -> bool:
+    """Whether ``pid`` runs (not exited, not a zombie awaiting its parent)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def get_tensor_model_parallel_world_size() -> int:

@@ -3,7 +3,8 @@
 
 The loop pulls adds, aborts and finishes from its input socket, steps while any request is
 unfinished, and pushes each step's ``EngineCoreOutputs`` (with the core's stats) on its output
-socket. Token ids travel as msgpack lists: no tensor crosses the boundary.
+socket. Data-parallel cores whose experts span them step together (dummy steps on the idle
+ones: vLLM's waves), agreeing over a gloo group of the cores before every step. Token ids travel as msgpack lists: no tensor crosses the boundary.
 """
 
 from __future__ import annotations
@@ -14,10 +15,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+import torch
+import torch.distributed as dist
 import zmq
 
 from tokenmill import plugins
 from tokenmill.config import EngineConfig
+from tokenmill.distributed.parallel_state import INIT_TIMEOUT
 from tokenmill.core.request import RequestStatus
 from tokenmill.engine.engine_core import EngineCore, EngineCoreOutputs
 from tokenmill.engine.input_processor import EngineCoreRequest
@@ -85,7 +89,8 @@ def decode(frames: list[bytes]) -> tuple[bytes, Payload]:
 
 class EngineCoreProc:
     """Runs one ``EngineCore`` in a busy loop. ``parent_pid``: exit when this process is no
-    longer the parent's child (the parent died); None in a thread."""
+    longer the parent's child (the parent died); None in a thread. ``data_parallel_group``:
+    the engine cores' process group when their experts span them (they step together)."""
 
     def __init__(
         self,
@@ -93,59 +98,95 @@ class EngineCoreProc:
         input_socket: zmq.Socket[bytes],
         output_socket: zmq.Socket[bytes],
         parent_pid: int | None,
+        data_parallel_group: dist.ProcessGroup | None = None,
     ) -> None:
         self.engine_core = engine_core
         self.input = input_socket
         self.output = output_socket
         self.parent_pid = parent_pid
+        self.data_parallel_group = data_parallel_group
 
     def run_busy_loop(self) -> None:
         """Serve until a shutdown message or the parent's death. A step that raises fails its
         requests (every request, if it raised while scheduling) and the loop serves on. When
         the executor dies, report the error for the requests in flight and raise: the process
-        ends, and its client sees an engine that died."""
+        ends, and its client sees an engine that died.
+
+        With ``data_parallel_group`` (experts spanning the data-parallel cores) every
+        iteration first agrees with the other cores, in one all-reduce, on how many have
+        requests and how many were told to shut down: while any has requests, a core without
+        any runs a dummy step (as does one whose step sent nothing to its workers), so the
+        MoE layers' collectives always meet; when none has, all wait for input together; the
+        cores leave together once each was told to shut down."""
         core = self.engine_core
+        group_busy = stopping = False
         while True:
             if self.parent_pid is not None and os.getppid() != self.parent_pid:
                 logger.warning("the front-end process died; the engine core exits")
                 return
-            changed = False
-            if not core.has_unfinished_requests() and not self.input.poll(POLL_INTERVAL_MS):
-                continue
-            while True:
-                try:
-                    kind, payload = decode(self.input.recv_multipart(zmq.NOBLOCK))
-                except zmq.Again:
-                    break
-                if kind == SHUTDOWN:
-                    core.abort_all_requests()
+            if not (group_busy or core.has_unfinished_requests()):
+                if not self.input.poll(POLL_INTERVAL_MS) and self.data_parallel_group is None:
+                    continue
+            changed, shutdown = self._receive()
+            if shutdown and not stopping:
+                core.abort_all_requests()
+                if self.data_parallel_group is None:
                     return
-                self._handle(payload)
-                changed = True
-            if core.has_unfinished_requests():
-                try:
-                    outputs = core.step()
-                except ExecutorDeadError as e:
-                    failed = (core.failed_req_ids or []) + core.abort_all_requests()
-                    outputs = EngineCoreOutputs(error=str(e), failed_req_ids=failed)
-                    self.output.send_multipart([OUTPUTS, encoder.encode(outputs)])
-                    raise
-                except Exception as e:
-                    if core.failed_req_ids is None:
-                        logger.exception("engine step failed to schedule; failing every request")
-                        failed = core.abort_all_requests()
-                    else:
-                        logger.exception("engine step failed; failing its requests")
-                        failed = core.failed_req_ids
-                    outputs = EngineCoreOutputs(
-                        error=f"{type(e).__name__}: {e}", failed_req_ids=failed
-                    )
-            elif changed:
-                outputs = EngineCoreOutputs()
+                stopping = True
+            has_work = core.has_unfinished_requests()
+            if self.data_parallel_group is not None:
+                flags = torch.tensor([int(has_work), int(stopping)])
+                dist.all_reduce(flags, group=self.data_parallel_group)
+                busy, stopped = flags.tolist()
+                if stopped == dist.get_world_size(self.data_parallel_group):
+                    return
+                group_busy = busy > 0
+            if has_work:
+                executed = core.num_executed_steps
+                outputs = self._step()
+                if group_busy and core.num_executed_steps == executed:
+                    core.execute_dummy_batch()
             else:
-                continue
+                if group_busy:
+                    core.execute_dummy_batch()
+                if not changed:
+                    continue
+                outputs = EngineCoreOutputs()
             outputs.stats = core.get_stats()
             self.output.send_multipart([OUTPUTS, encoder.encode(outputs)])
+
+    def _receive(self) -> tuple[bool, bool]:
+        """Handle every message waiting on the input socket: whether there were any, and
+        whether one was a shutdown."""
+        changed = False
+        while True:
+            try:
+                kind, payload = decode(self.input.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                return changed, False
+            if kind == SHUTDOWN:
+                return True, True
+            self._handle(payload)
+            changed = True
+
+    def _step(self) -> EngineCoreOutputs:
+        """One step of the core: its outputs, or the error and the requests it failed."""
+        core = self.engine_core
+        try:
+            return core.step()
+        except ExecutorDeadError as e:
+            failed = (core.failed_req_ids or []) + core.abort_all_requests()
+            outputs = EngineCoreOutputs(error=str(e), failed_req_ids=failed)
+            self.output.send_multipart([OUTPUTS, encoder.encode(outputs)])
+            raise
+        except Exception as e:
+            if core.failed_req_ids is None:
+                logger.exception("engine step failed to schedule; failing every request")
+                failed = core.abort_all_requests()
+            else:
+                logger.exception("engine step failed; failing its requests")
+                failed = core.failed_req_ids
+            return EngineCoreOutputs(error=f"{type(e).__name__}: {e}", failed_req_ids=failed)
 
     def _handle(self, payload: Payload) -> None:
         if isinstance(payload, EngineCoreRequest):
@@ -185,11 +226,23 @@ def run_engine_core(
             output_socket.send_multipart([STARTUP_ERROR, encoder.encode(error)])
             return
         assert config.max_model_len is not None
+        group = None
+        if config.data_parallel_sync_init_method is not None:
+            dist.init_process_group(
+                "gloo",
+                init_method=config.data_parallel_sync_init_method,
+                rank=config.data_parallel_rank,
+                world_size=config.data_parallel_size,
+                timeout=INIT_TIMEOUT,
+            )
+            group = dist.group.WORLD
         info = EngineCoreInfo(config.max_model_len, core.max_prompt_tokens(), core.get_stats())
         output_socket.send_multipart([READY, encoder.encode(info)])
         try:
-            EngineCoreProc(core, input_socket, output_socket, parent_pid).run_busy_loop()
+            EngineCoreProc(core, input_socket, output_socket, parent_pid, group).run_busy_loop()
         finally:
             core.shutdown()
+            if group is not None:
+                dist.destroy_process_group()
     finally:
         context.destroy(linger=1000)

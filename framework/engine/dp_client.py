@@ -9,6 +9,10 @@ asked) and KV cache. A new request goes to the core with the lowest score
 requests sent to it that those stats had not yet received; ties go to the lowest rank.
 Aborts and finishes follow a request to the core that owns it. Every core's outputs reach
 one ``output_handler``; if any core dies, the engine is dead.
+
+With ``enable_expert_parallel`` the cores' workers form one expert-parallel group (DP
+attention + EP MoE) and the cores step together: each core learns where the workers meet and
+where the cores agree on their steps (two local TCP ports).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from tokenmill.core.request import RequestStatus
 from tokenmill.engine.core_client import EngineCoreClient, EngineDeadError, MPClient
 from tokenmill.engine.engine_core import EngineCoreOutputs
 from tokenmill.engine.input_processor import EngineCoreRequest
+from tokenmill.worker.multiproc_executor import get_open_port
 
 WAITING_WEIGHT = 4
 """A waiting request counts this many running ones when choosing a core."""
@@ -49,6 +54,10 @@ class DPClient(EngineCoreClient):
         self._owner: dict[str, int] = {}
         size = config.data_parallel_size
         self._num_routed = [0] * size
+        if config.expert_parallel_across_data_parallel:
+            config = copy.copy(config)
+            config.expert_parallel_init_method = f"tcp://127.0.0.1:{get_open_port()}"
+            config.data_parallel_sync_init_method = f"tcp://127.0.0.1:{get_open_port()}"
 
         def start(rank: int) -> MPClient:
             core_config = copy.copy(config)

@@ -116,6 +116,8 @@ class EngineCore:
         """The requests the latest step that raised finished with an error; None when it
         raised before it had scheduled, so which requests it concerned is unknown."""
         self.num_requests_received = 0
+        self.num_executed_steps = 0
+        """Steps sent to the executor (a step with nothing to schedule sends none)."""
         self.batch_queue: deque[tuple[concurrent.futures.Future[ModelRunnerOutput], SchedulerOutput, float]] | None = None
         """Steps sent and not yet updated from (future, output, start), oldest first; None
         when the executor runs one step at a time."""
@@ -228,6 +230,7 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         try:
             self._add_grammar_bitmask(scheduler_output)
+            self.num_executed_steps += 1
             model_output = self.executor.execute_model(scheduler_output)
             outputs = self.scheduler.update_from_output(
                 scheduler_output,
@@ -256,6 +259,12 @@ class EngineCore:
             num_scheduled_tokens=scheduler_output.total_num_scheduled_tokens,
             kv_events=self.kv_cache_manager.pool.take_events(),
         )
+
+    def execute_dummy_batch(self) -> None:
+        """A step without requests that meets the other data-parallel engine cores' MoE
+        collectives (experts spanning the cores), so their step can run."""
+        self.num_executed_steps += 1
+        self.executor.execute_dummy_batch()
 
     def _step_with_batch_queue(
         self, queue: deque[tuple[concurrent.futures.Future[ModelRunnerOutput], SchedulerOutput, float]]

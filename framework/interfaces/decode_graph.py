@@ -108,6 +108,7 @@ class DecodeGraphRunner:
         """The platform's runner (``Platform.decode_graph_runner``) with its sizes captured, or
         None where graphs don't apply: no runner on this platform, ``enforce_eager``,
         ``enable_lora`` (the slot mapping is set outside the recorded calls), pipeline parallelism,
+        experts spanning data-parallel engine cores,
         ``calculate_kv_scales`` (a capture's dummy batch would be the step the scales come
         from), a backend whose builder cannot be captured, or a runner that captured nothing."""
         if config.max_model_len is None:
@@ -120,6 +121,9 @@ class DecodeGraphRunner:
             return None
         if config.pipeline_parallel_size > 1:
             logger.info("decode graphs off: pipeline stages exchange activations between steps")
+            return None
+        if config.expert_parallel_across_data_parallel:
+            logger.info("decode graphs off: the MoE layers pad to the engine cores' largest step")
             return None
         if config.calculate_kv_scales:
             logger.info("decode graphs off: calculate_kv_scales takes the scales from the first real step")

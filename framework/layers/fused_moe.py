@@ -19,6 +19,10 @@ placement map ``expert_placement`` gives it (a contiguous run). Each rank takes 
 the step's tokens, the device communicator's ``dispatch`` sends each (token, expert) pair to
 its expert's rank, the rank runs its experts, and ``combine`` brings the weighted outputs home;
 one all-reduce then assembles every rank's tokens with the shared experts' partial sums.
+When the expert-parallel group spans several data-parallel engine cores (DP attention + EP
+MoE), rank ``r`` of core ``d`` is expert-parallel rank ``d * tensor_parallel_size + r``; the
+cores bring different token counts, so every rank pads its share to the largest in the group,
+and a core with no tokens takes part through :meth:`FusedMoE.dummy_forward`.
 """
 
 from __future__ import annotations
@@ -30,9 +34,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.distributed.parallel_state import (
+    expert_parallel_spans_cores,
+    get_ep_communicator,
     get_tensor_model_parallel_rank,
     get_tensor_model_parallel_world_size,
-    get_tp_communicator,
     tensor_model_parallel_all_reduce,
 )
 from tokenmill.interfaces.quantization import FusedMoEMethod
@@ -202,12 +207,14 @@ class FusedMoE(nn.Module):
         super().__init__()
         self.tp_size = get_tensor_model_parallel_world_size()
         self.tp_rank = get_tensor_model_parallel_rank()
-        self.ep_size = self.tp_size if current_build_context().enable_expert_parallel else 1
-        self.ep_rank = self.tp_rank if self.ep_size > 1 else 0
+        ep_comm = get_ep_communicator() if current_build_context().enable_expert_parallel else None
+        self.ep_size = 1 if ep_comm is None else ep_comm.world_size
+        self.ep_rank = 0 if ep_comm is None else ep_comm.rank
         if num_experts % self.ep_size:
             raise ValueError(
                 f"{prefix}: {num_experts} experts are not divisible by the expert-parallel size "
-                f"{self.ep_size} (enable_expert_parallel with tensor_parallel_size={self.tp_size})"
+                f"{self.ep_size} (enable_expert_parallel with tensor_parallel_size={self.tp_size}"
+                f" x {self.ep_size // self.tp_size} data-parallel engine cores)"
             )
         if self.ep_size > 1:
             self.tp_size, self.tp_rank = 1, 0  # whole experts: no slice of the intermediate
@@ -338,18 +345,34 @@ class FusedMoE(nn.Module):
             out = out + self.shared_experts(hidden_states)
         return tensor_model_parallel_all_reduce(out)
 
+    def dummy_forward(self, dtype: torch.dtype, device: torch.device) -> None:
+        """Take part in this layer's expert-parallel collectives with no token of its own: a
+        step of an engine core without tokens while another core's step runs (its other
+        layers are local to the core and skipped)."""
+        empty = torch.empty(0, self.hidden_size, dtype=dtype, device=device)
+        ids = torch.empty(0, self.top_k, dtype=torch.int64, device=device)
+        self._expert_parallel(empty, torch.empty(0, self.top_k, device=device), ids)
+
     def _expert_parallel(
         self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
         """The routed experts' output of this rank's share of the tokens (a run of
-        ``ceil(T / ep_size)``), zero elsewhere: every rank holds all tokens (tensor
-        parallelism), so the caller's all-reduce assembles them."""
-        comm = get_tp_communicator()
+        ``ceil(T / tensor_parallel_size)``), zero elsewhere: every tensor-parallel rank holds
+        all of its engine core's tokens, so the caller's all-reduce assembles them. The share
+        is padded with zero-weight rows to the largest share in the expert-parallel group (at
+        least one row when the group spans engine cores, so no collective is empty)."""
+        comm = get_ep_communicator()
+        assert comm is not None
+        core_tp_size = get_tensor_model_parallel_world_size()
         num_tokens = hidden_states.shape[0]
-        share = -(-num_tokens // self.ep_size)
-        start = min(self.ep_rank * share, num_tokens)
+        share = -(-num_tokens // core_tp_size)
+        start = min(get_tensor_model_parallel_rank() * share, num_tokens)
         end = min(start + share, num_tokens)
-        pad = share - (end - start)
+        padded = share
+        if expert_parallel_spans_cores():
+            sizes = comm.all_gather(torch.tensor([share], device=hidden_states.device), dim=0)
+            padded = max(1, int(sizes.max()))
+        pad = padded - (end - start)
         mine = F.pad(hidden_states[start:end], (0, 0, 0, pad))
         ids = F.pad(topk_ids[start:end], (0, 0, 0, pad))
         weights = F.pad(topk_weights[start:end], (0, 0, 0, pad))

@@ -78,6 +78,11 @@ class Executor:
         failed."""
         raise NotImplementedError
 
+    def execute_dummy_batch(self) -> None:
+        """Run a step without tokens on every rank, meeting the other data-parallel engine
+        cores' MoE collectives (experts spanning the cores only)."""
+        raise NotImplementedError
+
     @property
     def max_concurrent_batches(self) -> int:
         """How many steps the engine core may keep in flight (``non_block``): the pipeline
@@ -143,6 +148,11 @@ class DistributedExecutor(Executor):
         self.world_size = config.world_size
         self.tp_size = config.tensor_parallel_size
         self.output_rank = output_rank(config)
+        self.data_parallel_rank = (
+            config.data_parallel_rank if config.expert_parallel_across_data_parallel else None
+        )
+        """This core's data-parallel rank when its ranks belong to an expert-parallel group
+        spanning the cores (errors then name their expert-parallel rank)."""
         self._pending: deque[tuple[str, Any, Future[ModelRunnerOutput]]] = deque()
         """Steps sent whose answers are not gathered yet, oldest first: method, the
         ``_send`` handle, the future."""
@@ -169,6 +179,9 @@ class DistributedExecutor(Executor):
         self._pending.append(("execute_model", handle, future))
         return future if non_block else future.result()
 
+    def execute_dummy_batch(self) -> None:
+        self._call_all("execute_dummy_batch")
+
     @property
     def max_concurrent_batches(self) -> int:
         return self._max_concurrent_batches
@@ -186,7 +199,13 @@ class DistributedExecutor(Executor):
         return self._call_all("step_intervals")
 
     def rank_name(self, rank: int) -> str:
-        """How errors name worker ``rank``: its stage too under pipeline parallelism."""
+        """How errors name worker ``rank``: its stage too under pipeline parallelism, its
+        expert-parallel rank and engine core when the experts span the cores."""
+        if self.data_parallel_rank is not None:
+            return (
+                f"expert-parallel rank {self.data_parallel_rank * self.world_size + rank} "
+                f"(data-parallel rank {self.data_parallel_rank}, tensor-parallel worker rank {rank})"
+            )
         if self.world_size == self.tp_size:
             return f"tensor-parallel worker rank {rank}"
         stage, tp_rank = divmod(rank, self.tp_size)

@@ -32,6 +32,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.config_resolver import quantization_method
 from tokenmill.core.scheduler_output import SchedulerOutput
 from tokenmill.distributed.parallel_state import (
+    expert_parallel_spans_cores,
     is_first_pp_rank,
     is_last_pp_rank,
     pp_recv,
@@ -45,6 +46,7 @@ from tokenmill.kv_connector_factory import create_kv_connector
 from tokenmill.interfaces.proposer import FlatInputs, ProposalBatch, Proposer, TargetStep
 from tokenmill.layers.attention import Attention
 from tokenmill.layers.build_context import BuildContext, model_build_context
+from tokenmill.layers.fused_moe import FusedMoE
 from tokenmill.lora.manager import LoRAManager
 from tokenmill.layers.mla_attention import MLAAttention
 from tokenmill.layers.pipeline import IntermediateTensors
@@ -348,8 +350,21 @@ class ModelRunner:
         result.kv_connector_output = KVConnectorOutput(sending or set(), recving or set())
         return result
 
+    @torch.inference_mode()
+    def execute_dummy_batch(self) -> None:
+        """A step without tokens of an engine core whose experts span the data-parallel
+        cores: every MoE layer's expert-parallel collectives, in model order, with a
+        zero-weight padding row, so another core's step can run. Nothing else runs: no KV is
+        written and nothing is sampled."""
+        assert self.model is not None
+        for module in self.model.modules():
+            if isinstance(module, FusedMoE) and module.ep_size > 1:
+                module.dummy_forward(self.config.torch_dtype, self.device)
+
     def _execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         if out.total_num_scheduled_tokens == 0:
+            if expert_parallel_spans_cores():
+                self.execute_dummy_batch()
             return ModelRunnerOutput({})
         batch = self.batch
         assert batch is not None and self.model is not None

@@ -75,7 +75,7 @@ class MultiprocExecutor(DistributedExecutor):
         self._finalizer = weakref.finalize(
             self, _stop_workers, self.workers, self._context, self._dir
         )
-        init_method = f"tcp://127.0.0.1:{get_open_port()}"
+        init_method = config.expert_parallel_init_method or f"tcp://127.0.0.1:{get_open_port()}"
         try:
             for rank in range(self.world_size):
                 address = f"ipc://{os.path.join(self._dir, f'rank{rank}')}"

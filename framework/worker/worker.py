@@ -5,6 +5,8 @@ a process per rank (``mp``) and as a Ray actor (``ray``)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -12,6 +14,7 @@ import torch
 from tokenmill.config import EngineConfig
 from tokenmill.core.scheduler_output import SchedulerOutput
 from tokenmill.distributed.parallel_state import (
+    dead_expert_parallel_ranks,
     destroy_distributed_environment,
     init_distributed_environment,
 )
@@ -67,8 +70,10 @@ class Worker:
         if local_rank is None:
             local_rank = config.data_parallel_rank_local * config.world_size + rank
         self.device = platform.device(local_rank)
-        if config.world_size > 1:
+        self.distributed = config.world_size > 1 or config.expert_parallel_across_data_parallel
+        if self.distributed:
             assert distributed_init_method is not None
+            across = config.expert_parallel_across_data_parallel
             init_distributed_environment(
                 platform.dist_backend,
                 distributed_init_method,
@@ -78,6 +83,8 @@ class Worker:
                 platform.get_device_communicator_cls(),
                 self.device,
                 config.all2all_backend,
+                config.data_parallel_size if across else 1,
+                config.data_parallel_rank if across else 0,
             )
         self.model_runner = ModelRunner(config, self.device, rank)
 
@@ -105,7 +112,14 @@ class Worker:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self.config.platform_cls.before_step()
-        return self.model_runner.execute_model(scheduler_output)
+        with _blame_dead_expert_ranks():
+            return self.model_runner.execute_model(scheduler_output)
+
+    def execute_dummy_batch(self) -> None:
+        """Meet the other engine cores' MoE collectives in a step without tokens
+        (``ModelRunner.execute_dummy_batch``)."""
+        with _blame_dead_expert_ranks():
+            self.model_runner.execute_dummy_batch()
 
     def step_intervals(self) -> list[tuple[float, float]]:
         """When this rank was busy with its latest steps (``ModelRunner.step_intervals``)."""
@@ -113,5 +127,19 @@ class Worker:
 
     def shutdown(self) -> None:
         """Leave the process group (all ranks call it together)."""
-        if self.config.world_size > 1:
+        if self.distributed:
             destroy_distributed_environment()
+
+
+@contextmanager
+def _blame_dead_expert_ranks() -> Iterator[None]:
+    """A collective that fails because an expert-parallel rank of another engine core died
+    raises naming that rank (this rank only sees its connection close)."""
+    try:
+        yield
+    except Exception as e:
+        dead = dead_expert_parallel_ranks()
+        if not dead:
+            raise
+        names = ", ".join(f"expert-parallel rank {rank} (pid {pid})" for rank, pid in dead)
+        raise RuntimeError(f"{names} died: {type(e).__name__}: {e}") from e

@@ -310,6 +310,13 @@ def _moe_rank(rank: int, port: int, out: str) -> None:
 def moe_outputs(expert_parallel: bool) -> list[torch.Tensor]:
     """A DeepSeek-V3-style MoE layer's output for 1, 7 (not a multiple of the ranks) and 16
     tokens."""
+    layer, inputs = moe_layer(expert_parallel)
+    return [layer(x, logits) for x, logits in inputs]
+
+
+def moe_layer(expert_parallel: bool) -> tuple[FusedMoE, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """A DeepSeek-V3-style MoE layer of 8 experts (this rank's, with ``expert_parallel``) and
+    its inputs of 1, 7 and 16 tokens, the same on every rank."""
     torch.manual_seed(0)
     with model_build_context(BuildContext(None, enable_expert_parallel=expert_parallel)):
         layer = FusedMoE(8, 2, 16, 8, scoring_func="sigmoid", renormalize=True, num_expert_group=4, topk_group=2)
@@ -318,7 +325,7 @@ def moe_outputs(expert_parallel: bool) -> list[torch.Tensor]:
         layer.weight_loader(layer.w13_weight, w13[e, :8], e, "w1")
         layer.weight_loader(layer.w13_weight, w13[e, 8:], e, "w3")
         layer.weight_loader(layer.w2_weight, w2[e], e, "w2")
-    return [layer(torch.randn(n, 16), torch.randn(n, 8)) for n in (1, 7, 16)]
+    return layer, [(torch.randn(n, 16), torch.randn(n, 8)) for n in (1, 7, 16)]
 
 
 def test_all2all_backends_give_the_single_process_moe_output(tmp_path):
