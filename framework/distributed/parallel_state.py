@@ -106,11 +106,15 @@ def init_distributed_environment(
 
 def destroy_distributed_environment() -> None:
     """Leave the process group after a barrier, so no rank closes its connections while
-    another still uses them."""
+    another still uses them. Ranks of several engine cores leave without one: the cores
+    stopped together with no collective in flight, and the other cores' ranks, which their own
+    executors stop, would meet the barrier at other times (a rank that has passed it and exits
+    resets the connections of one still in it)."""
     global _PP_RANK, _PP_SIZE, _TP_SIZE, _TP_COMM, _WORLD_COMM, _EP_COMM, _EP_PIDS
     if dist.is_available() and dist.is_initialized():
         _wait_for_send()
-        dist.barrier()
+        if _EP_COMM is None:
+            dist.barrier()
         dist.destroy_process_group()
     _PP_RANK, _PP_SIZE, _TP_SIZE, _TP_COMM, _WORLD_COMM, _EP_COMM, _EP_PIDS = 0, 1, 1, None, None, None, []
 

@@ -4,6 +4,7 @@ process (``AsyncLLM``, ``tokenmill serve``) and talks to it over ZMQ with msgpac
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -150,6 +151,9 @@ class MPClient(EngineCoreClient):
             self._input.bind(input_address)
             self._output.bind(output_address)
         self._stopping = False
+        self._closed = False
+        self._last_error: str | None = None
+        """The latest step error the core reported (what a core that then died died of)."""
         self._stats: dict[str, int] = {}
         self._num_added = 0
         self._owed_since = 0.0
@@ -229,9 +233,19 @@ class MPClient(EngineCoreClient):
             or stats.get("num_requests_received", 0) < self._num_added
         )
 
-    def shutdown(self) -> None:
+    def begin_shutdown(self) -> None:
+        """Tell the core to stop without waiting for it (``shutdown`` waits): a front end
+        whose cores stop together (experts spanning them) tells every core first."""
         if self._stopping:
             return
+        self._stopping = True
+        with contextlib.suppress(zmq.ZMQError):
+            self._input.send_multipart([SHUTDOWN, encoder.encode(None)], zmq.NOBLOCK)
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
         self._stopping = True
         self._stop_core()
         self._reader.join(SHUTDOWN_TIMEOUT_S)
@@ -278,6 +292,8 @@ class MPClient(EngineCoreClient):
             self._last_message = time.monotonic()
             if outputs.stats is not None:
                 self._stats = outputs.stats
+            if outputs.error is not None:
+                self._last_error = outputs.error
             self.output_handler(outputs)
 
     def _death_message(self) -> str:
@@ -285,7 +301,8 @@ class MPClient(EngineCoreClient):
             return "the engine was shut down"
         code = getattr(self._core, "exitcode", None)
         how = "" if code is None else f" with exit code {code}"
-        return f"the engine core ({self._core.name}, pid {self.pid}) died{how}"
+        last = "" if self._last_error is None else f"; its last error: {self._last_error}"
+        return f"the engine core ({self._core.name}, pid {self.pid}) died{how}{last}"
 
     def _stop_core(self) -> None:
         if self._core.is_alive():

@@ -145,10 +145,10 @@ class EngineCoreProc:
                 executed = core.num_executed_steps
                 outputs = self._step()
                 if group_busy and core.num_executed_steps == executed:
-                    core.execute_dummy_batch()
+                    self._dummy_step()
             else:
                 if group_busy:
-                    core.execute_dummy_batch()
+                    self._dummy_step()
                 if not changed:
                     continue
                 outputs = EngineCoreOutputs()
@@ -168,6 +168,15 @@ class EngineCoreProc:
                 return True, True
             self._handle(payload)
             changed = True
+
+    def _dummy_step(self) -> None:
+        """``EngineCore.execute_dummy_batch``; when the executor dies, report why before
+        raising (the core then exits)."""
+        try:
+            self.engine_core.execute_dummy_batch()
+        except ExecutorDeadError as e:
+            self.output.send_multipart([OUTPUTS, encoder.encode(EngineCoreOutputs(error=str(e)))])
+            raise
 
     def _step(self) -> EngineCoreOutputs:
         """One step of the core: its outputs, or the error and the requests it failed."""

@@ -117,6 +117,8 @@ class DPClient(EngineCoreClient):
 
     def shutdown(self) -> None:
         for core in self.cores:
+            core.begin_shutdown()
+        for core in self.cores:
             core.shutdown()
 
     def _by_owner(self, req_ids: list[str]) -> dict[int, list[str]]:

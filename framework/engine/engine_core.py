@@ -117,7 +117,9 @@ class EngineCore:
         raised before it had scheduled, so which requests it concerned is unknown."""
         self.num_requests_received = 0
         self.num_executed_steps = 0
-        """Steps sent to the executor (a step with nothing to schedule sends none)."""
+        """Steps sent to the executor one at a time, dummy ones included (a step with nothing
+        to schedule sends none)."""
+        self.num_dummy_steps = 0
         self.batch_queue: deque[tuple[concurrent.futures.Future[ModelRunnerOutput], SchedulerOutput, float]] | None = None
         """Steps sent and not yet updated from (future, output, start), oldest first; None
         when the executor runs one step at a time."""
@@ -264,6 +266,7 @@ class EngineCore:
         """A step without requests that meets the other data-parallel engine cores' MoE
         collectives (experts spanning the cores), so their step can run."""
         self.num_executed_steps += 1
+        self.num_dummy_steps += 1
         self.executor.execute_dummy_batch()
 
     def _step_with_batch_queue(
@@ -399,7 +402,8 @@ class EngineCore:
         self.executor.shutdown()
 
     def get_stats(self) -> dict[str, int]:
-        """Scheduler and KV-cache counters, and speculative decoding's, LoRA's and the KV
+        """Scheduler and KV-cache counters, the dummy steps of a core whose experts span the
+        data-parallel cores, and speculative decoding's, LoRA's and the KV
         connector's when they are on (the connector's hits are counted apart from the local
         prefix cache's)."""
         kv = self.kv_cache_manager
@@ -422,9 +426,13 @@ class EngineCore:
         if self.config.enable_lora:
             running, waiting = self.scheduler.lora_adapters()
             lora = {"num_running_loras": len(running), "num_waiting_loras": len(waiting)}
+        dummy = {}
+        if self.config.expert_parallel_across_data_parallel:
+            dummy = {"num_dummy_steps": self.num_dummy_steps}
         return {
             **spec,
             **lora,
+            **dummy,
             **external,
             "num_running_requests": len(self.scheduler.running),
             "num_waiting_requests": len(self.scheduler.waiting) + len(self.waiting_for_fsm),

@@ -3,15 +3,36 @@ group and step together (an idle core runs dummy steps so the MoE collectives me
 
 from __future__ import annotations
 
+import asyncio
+import os
+import signal
+import time
+
+import pytest
 import torch
 import torch.multiprocessing as mp
 
+from support.deepseek_checkpoints import save_deepseek
+from tokenmill import LLM, SamplingParams
+from tokenmill.config import EngineConfig
+from tokenmill.config_resolver import resolve_config
 from tokenmill.distributed.device_communicator import ALL2ALL_BACKENDS, DeviceCommunicator
 from tokenmill.distributed.parallel_state import (
     destroy_distributed_environment,
     init_distributed_environment,
 )
+from tokenmill.engine.async_llm import AsyncLLM
+from tokenmill.engine.output_processor import RequestOutputKind
 from tokenmill.worker.multiproc_executor import get_open_port
+from worker.test_distributed import (
+    ROUND_PARAMS,
+    ROUND_PROMPTS,
+    SMALL_CACHE,
+    alive,
+    run_rounds,
+    run_rounds_async,
+    worker_processes,
+)
 from worker.test_pipeline_parallel import moe_layer
 
 
@@ -55,3 +76,80 @@ def test_moe_across_two_cores_with_one_idle_then_unequal_token_counts(tmp_path):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=backend)
         assert len(idle) == 1
         torch.testing.assert_close(idle[0], expected[-1][:5], rtol=1e-5, atol=1e-5, msg=backend)
+
+
+def test_settings_experts_across_data_parallel_cores_cannot_honour_are_refused(tmp_path):
+    path = save_deepseek(tmp_path / "m", "v3", n_routed_experts=6, n_group=2, topk_group=1)[0]
+    with pytest.raises(ValueError, match=r"6 routed experts are not divisible by the expert-parallel size 4 \(tensor_parallel_size=2 x data_parallel_size=2\)"):
+        resolve_config(EngineConfig(model=path, tensor_parallel_size=2, data_parallel_size=2, enable_expert_parallel=True))
+    for name, value in (
+        ("data_parallel_backend", "ray"),
+        ("distributed_executor_backend", "uni"),
+        ("pipeline_parallel_size", 2),
+        ("speculative_config", {"method": "ngram", "num_speculative_tokens": 2}),
+    ):
+        with pytest.raises(ValueError, match=rf"enable_expert_parallel with data_parallel_size=2 and {name}=.* is not implemented"):
+            EngineConfig(data_parallel_size=2, enable_expert_parallel=True, **{name: value})
+    assert EngineConfig(data_parallel_size=2, enable_expert_parallel=True).executor_backend == "mp"
+
+
+async def generate_one(engine: AsyncLLM, prompt: list[int]) -> list[int]:
+    async for out in engine.generate(
+        {"prompt_token_ids": prompt}, ROUND_PARAMS, output_kind=RequestOutputKind.FINAL_ONLY
+    ):
+        last = out
+    return list(last.outputs[0].token_ids)
+
+
+@pytest.mark.slow
+def test_dp2_ep2_deepseek_v3_matches_one_process_then_an_expert_rank_is_killed(tmp_path):
+    """Two engine cores of one worker each, 16 of the 32 experts each (chunked prefill,
+    prefix caching, a KV cache small enough to preempt). One request at a time first: each
+    goes to core 0, and core 1, which has none, keeps meeting its MoE collectives with dummy
+    steps; then all at once, over both cores. Tokens equal one process's, every block comes
+    back. Then core 1's worker (expert-parallel rank 1) is killed while core 0 streams: the
+    stream fails within seconds naming the rank, and no process is left. (5 processes on 2
+    cores: slow.)"""
+    path = save_deepseek(tmp_path / "m", "v3", n_routed_experts=32)[0]
+    args = dict(SMALL_CACHE, long_prefill_token_threshold=16)
+    expected, expected_stats = run_rounds(LLM(path, **args))
+
+    async def run() -> None:
+        engine = AsyncLLM.from_engine_args(
+            model=path, data_parallel_size=2, enable_expert_parallel=True, **args
+        )
+        cores = engine.engine_core.cores
+        workers = [worker_processes(core.pid) for core in cores]
+        try:
+            assert [len(w) for w in workers] == [1, 1]
+            one_at_a_time = [await generate_one(engine, p) for p in ROUND_PROMPTS]
+            assert one_at_a_time == expected[: len(ROUND_PROMPTS)]
+            first, second = engine.engine_core.get_engine_stats()
+            assert first["num_requests_routed"] == len(ROUND_PROMPTS) and second["num_requests_routed"] == 0
+
+            assert await run_rounds_async(engine) == expected
+            per_core = engine.engine_core.get_engine_stats()
+            assert per_core[1]["num_dummy_steps"] > 0, per_core
+            assert all(s["num_requests_routed"] > len(ROUND_PROMPTS) // 4 for s in per_core[1:]), per_core
+            assert sum(s["num_preemptions"] for s in per_core) > 0
+            assert sum(s["prefix_cache_hit_tokens"] for s in per_core) > 0
+            assert all(s["kv_blocks_free"] == s["kv_blocks_total"] for s in per_core), per_core
+
+            params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+            stream = await engine.add_request({"prompt_token_ids": [1, 2, 3]}, params)
+            await stream.__anext__()
+            os.kill(workers[1][0], signal.SIGKILL)
+            start = time.monotonic()
+            with pytest.raises(RuntimeError, match=r"expert-parallel rank 1 .*(was killed by signal 9|died)"):
+                async for _ in stream:
+                    pass
+            assert time.monotonic() - start < 5
+        finally:
+            engine.shutdown()
+        pids = [core.pid for core in cores] + [p for w in workers for p in w]
+        deadline = time.monotonic() + 10
+        while any(alive(p) for p in pids):
+            assert time.monotonic() < deadline, [p for p in pids if alive(p)]
+            await asyncio.sleep(0.1)
+
+    asyncio.run(run())
