@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from conftest import save_byte_tokenizer
 from support.deepseek_checkpoints import save_deepseek
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import EngineConfig
@@ -29,6 +30,7 @@ from worker.test_distributed import (
     ROUND_PROMPTS,
     SMALL_CACHE,
     alive,
+    engine_samples,
     run_rounds,
     run_rounds_async,
     worker_processes,
@@ -101,15 +103,13 @@ async def generate_one(engine: AsyncLLM, prompt: list[int]) -> list[int]:
     return list(last.outputs[0].token_ids)
 
 
-@pytest.mark.slow
 def test_dp2_ep2_deepseek_v3_matches_one_process_then_an_expert_rank_is_killed(tmp_path):
     """Two engine cores of one worker each, 16 of the 32 experts each (chunked prefill,
     prefix caching, a KV cache small enough to preempt). One request at a time first: each
     goes to core 0, and core 1, which has none, keeps meeting its MoE collectives with dummy
     steps; then all at once, over both cores. Tokens equal one process's, every block comes
     back. Then core 1's worker (expert-parallel rank 1) is killed while core 0 streams: the
-    stream fails within seconds naming the rank, and no process is left. (5 processes on 2
-    cores: slow.)"""
+    stream fails within seconds naming the rank, and no process is left."""
     path = save_deepseek(tmp_path / "m", "v3", n_routed_experts=32)[0]
     args = dict(SMALL_CACHE, long_prefill_token_threshold=16)
     expected, expected_stats = run_rounds(LLM(path, **args))
@@ -153,3 +153,37 @@ def test_dp2_ep2_deepseek_v3_matches_one_process_then_an_expert_rank_is_killed(t
             await asyncio.sleep(0.1)
 
     asyncio.run(run())
+
+
+@pytest.mark.slow
+def test_serve_dp2_ep2_matches_one_process(tmp_path):
+    """``tokenmill serve --data-parallel-size 2 --enable-expert-parallel``: concurrent
+    greedy completions, spread over both cores, read as one process's. (A server and 5
+    processes: slow.)"""
+    from server.test_server import RemoteServer
+
+    path = save_deepseek(tmp_path / "m", "v3", n_routed_experts=32)[0]
+    save_byte_tokenizer(path)
+    prompts = [f"request {i}: " + "x" * (3 * i) for i in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    expected = [o.outputs[0].text for o in LLM(path, max_model_len=256).generate(prompts, params, use_tqdm=False)]
+    server = RemoteServer(
+        "--model", path, "--data-parallel-size", "2", "--enable-expert-parallel", "--max-model-len", "256"
+    )
+    try:
+        client = server.async_client()
+
+        async def run_all() -> list[str]:
+            results = await asyncio.gather(
+                *(
+                    client.completions.create(model=path, prompt=p, max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+                    for p in prompts
+                )
+            )
+            return [r.choices[0].text for r in results]
+
+        assert asyncio.run(run_all()) == expected
+        routed = engine_samples(server, "tokenmill:num_requests_routed_total")
+        assert set(routed) == {"0", "1"} and all(n > 0 for n in routed.values()), routed
+    finally:
+        server.stop()
