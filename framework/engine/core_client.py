@@ -27,6 +27,7 @@ from tokenmill.engine.core_proc import (
     POLL_INTERVAL_MS,
     READY,
     SHUTDOWN,
+    WAKE,
     EngineCoreInfo,
     FinishRequests,
     Payload,
@@ -208,6 +209,11 @@ class MPClient(EngineCoreClient):
 
     def abort_requests(self, req_ids: list[str]) -> None:
         self._send(ABORT, encoder.encode(req_ids))
+
+    def wake(self) -> None:
+        """End the core's idle wait: another core whose experts span this one got a request,
+        and this one must meet its step now, not after its poll interval."""
+        self._send(WAKE, encoder.encode(None))
 
     def finish_requests(
         self, req_ids: list[str], status: RequestStatus, stop_reason: int | str | None = None

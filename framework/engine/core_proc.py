@@ -32,8 +32,10 @@ logger = logging.getLogger(__name__)
 POLL_INTERVAL_MS = 100
 """How long an idle loop waits for input before checking that its parent is alive."""
 
-ADD, ABORT, FINISH, SHUTDOWN = b"add", b"abort", b"finish", b"shutdown"
-"""Input message kinds (first frame); the second frame is the msgpack payload."""
+ADD, ABORT, FINISH, SHUTDOWN, WAKE = b"add", b"abort", b"finish", b"shutdown", b"wake"
+"""Input message kinds (first frame); the second frame is the msgpack payload. ``WAKE``
+(nothing) ends an idle wait: another core whose experts span this one got a request, and
+both are about to agree on a step."""
 READY, STARTUP_ERROR, OUTPUTS = b"ready", b"startup_error", b"outputs"
 """Output message kinds."""
 
@@ -75,6 +77,7 @@ DECODERS: dict[bytes, msgspec.msgpack.Decoder[Any]] = {
     ABORT: msgspec.msgpack.Decoder(list[str]),
     FINISH: msgspec.msgpack.Decoder(FinishRequests),
     SHUTDOWN: msgspec.msgpack.Decoder(None),
+    WAKE: msgspec.msgpack.Decoder(None),
     READY: msgspec.msgpack.Decoder(EngineCoreInfo),
     STARTUP_ERROR: msgspec.msgpack.Decoder(StartupError),
     OUTPUTS: msgspec.msgpack.Decoder(EngineCoreOutputs),
@@ -116,8 +119,9 @@ class EngineCoreProc:
         iteration first agrees with the other cores, in one all-reduce, on how many have
         requests and how many were told to shut down: while any has requests, a core without
         any runs a dummy step (as does one whose step sent nothing to its workers), so the
-        MoE layers' collectives always meet; when none has, all wait for input together; the
-        cores leave together once each was told to shut down."""
+        MoE layers' collectives always meet; when none has, all wait for input together (the
+        front end wakes every core when it sends one a request); the cores leave together
+        once each was told to shut down."""
         core = self.engine_core
         group_busy = stopping = False
         while True:
@@ -166,8 +170,9 @@ class EngineCoreProc:
                 return changed, False
             if kind == SHUTDOWN:
                 return True, True
-            self._handle(payload)
-            changed = True
+            if kind != WAKE:
+                self._handle(payload)
+                changed = True
 
     def _dummy_step(self) -> None:
         """``EngineCore.execute_dummy_batch``; when the executor dies, report why before

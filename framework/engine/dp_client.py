@@ -12,7 +12,8 @@ one ``output_handler``; if any core dies, the engine is dead.
 
 With ``enable_expert_parallel`` the cores' workers form one expert-parallel group (DP
 attention + EP MoE) and the cores step together: each core learns where the workers meet and
-where the cores agree on their steps (two local TCP ports).
+where the cores agree on their steps (two local TCP ports), and a request sent to one core
+wakes the others, which must step with it.
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ class DPClient(EngineCoreClient):
         if errors:
             self.shutdown()
             raise errors[0]
+        self._wake_others = config.expert_parallel_across_data_parallel
         self.max_model_len = min(c.max_model_len for c in self.cores)
         self.max_prompt_tokens = min(c.max_prompt_tokens for c in self.cores)
 
@@ -82,6 +84,10 @@ class DPClient(EngineCoreClient):
             self._owner[request.request_id] = rank
             self._num_routed[rank] += 1
         self.cores[rank].add_request(request)
+        if self._wake_others:
+            for other, core in enumerate(self.cores):
+                if other != rank:
+                    core.wake()
 
     def abort_requests(self, req_ids: list[str]) -> None:
         for rank, ids in self._by_owner(req_ids).items():
