@@ -134,7 +134,10 @@ class EngineArgs:
         False,
         "shard each MoE layer's routed experts over the tensor-parallel ranks of a stage (each "
         "holds num_experts / tensor_parallel_size whole experts) instead of slicing every "
-        "expert; tokens go to their experts' ranks and back through all2all_backend",
+        "expert; tokens go to their experts' ranks and back through all2all_backend. With "
+        "data_parallel_size > 1 the experts span every engine core's ranks (DP attention + EP "
+        "MoE: num_experts / (tensor_parallel_size * data_parallel_size) each) and the cores "
+        "step together, an idle one running dummy steps",
     )
     all2all_backend: All2AllBackendName = _arg(
         "naive",

@@ -8,7 +8,9 @@ acknowledgement (under pipeline parallelism the last stage's first rank sends th
 A step sent with ``non_block`` returns a future at once, so the engine core can send the next
 step while the stages still work on this one (the batch queue); each rank answers its calls
 in order, and a future's result is its step's answers. The ranks meet for ``torch.distributed`` (the platform's ``dist_backend``:
-gloo on the CPU, NCCL on GPUs) at a TCP port of this machine.
+gloo on the CPU, NCCL on GPUs) at a TCP port of this machine; when the experts span the
+data-parallel engine cores, at the port the front end gave every core, with the other cores'
+ranks (one rank per core included).
 
 Workers are started with ``python -m tokenmill.worker.multiproc_executor`` (so an engine-core
 process, itself a child, can start them) and die with it: each watches its parent. A worker
