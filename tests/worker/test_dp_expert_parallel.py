@@ -187,3 +187,29 @@ def test_serve_dp2_ep2_matches_one_process(tmp_path):
         assert set(routed) == {"0", "1"} and all(n > 0 for n in routed.values()), routed
     finally:
         server.stop()
+
+
+@pytest.mark.slow
+def test_tp2_x_dp2_ep4_deepseek_v3_matches_one_process(tmp_path):
+    """Two engine cores of two tensor-parallel workers each: 8 of the 32 experts per rank,
+    moved by the true all-to-all; one process's tokens with preemption and prefix hits, and
+    every block back. (6 processes on 2 cores: slow.)"""
+    path = save_deepseek(tmp_path / "m", "v3", n_routed_experts=32)[0]
+    expected, _ = run_rounds(LLM(path, **SMALL_CACHE))
+
+    async def run() -> None:
+        engine = AsyncLLM.from_engine_args(
+            model=path, data_parallel_size=2, tensor_parallel_size=2, enable_expert_parallel=True,
+            all2all_backend="all_to_all", **SMALL_CACHE,
+        )
+        try:
+            assert await run_rounds_async(engine) == expected
+            per_core = engine.engine_core.get_engine_stats()
+            assert all(s["num_requests_routed"] > 0 for s in per_core), per_core
+            assert sum(s["num_preemptions"] for s in per_core) > 0
+            assert sum(s["prefix_cache_hit_tokens"] for s in per_core) > 0
+            assert all(s["kv_blocks_free"] == s["kv_blocks_total"] for s in per_core), per_core
+        finally:
+            engine.shutdown()
+
+    asyncio.run(run())
