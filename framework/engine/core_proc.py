@@ -4,7 +4,8 @@
 The loop pulls adds, aborts and finishes from its input socket, steps while any request is
 unfinished, and pushes each step's ``EngineCoreOutputs`` (with the core's stats) on its output
 socket. Data-parallel cores whose experts span them step together (dummy steps on the idle
-ones: vLLM's waves), agreeing over a gloo group of the cores before every step. Token ids travel as msgpack lists: no tensor crosses the boundary.
+ones: vLLM's waves), agreeing over a gloo group of the cores before every step. Token ids
+travel as msgpack lists: no tensor crosses the boundary.
 """
 
 from __future__ import annotations
@@ -139,9 +140,7 @@ class EngineCoreProc:
                 stopping = True
             has_work = core.has_unfinished_requests()
             if self.data_parallel_group is not None:
-                flags = torch.tensor([int(has_work), int(stopping)])
-                dist.all_reduce(flags, group=self.data_parallel_group)
-                busy, stopped = flags.tolist()
+                busy, stopped = self._agree(self.data_parallel_group, has_work, stopping)
                 if stopped == dist.get_world_size(self.data_parallel_group):
                     return
                 group_busy = busy > 0
@@ -173,6 +172,21 @@ class EngineCoreProc:
             if kind != WAKE:
                 self._handle(payload)
                 changed = True
+
+    def _agree(self, group: dist.ProcessGroup, has_work: bool, stopping: bool) -> tuple[int, int]:
+        """How many cores have requests and how many were told to shut down. If another
+        core is gone, fail this core's requests saying so, and raise (the core exits)."""
+        flags = torch.tensor([int(has_work), int(stopping)])
+        try:
+            dist.all_reduce(flags, group=group)
+        except RuntimeError as e:
+            failed = self.engine_core.abort_all_requests()
+            error = f"the data-parallel engine cores whose experts span them lost one: {e}"
+            outputs = EngineCoreOutputs(error=error, failed_req_ids=failed)
+            self.output.send_multipart([OUTPUTS, encoder.encode(outputs)])
+            raise
+        busy, stopped = flags.tolist()
+        return busy, stopped
 
     def _dummy_step(self) -> None:
         """``EngineCore.execute_dummy_batch``; when the executor dies, report why before
