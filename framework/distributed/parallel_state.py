@@ -97,9 +97,7 @@ def init_distributed_environment(
             if core == core_index:
                 group = world_group = core_group
         _EP_COMM = communicator_cls(None, device, all2all_backend)
-        pids = [torch.empty(1, dtype=torch.int64) for _ in range(_EP_COMM.world_size)]
-        dist.all_gather(pids, torch.tensor([os.getpid()]))
-        _EP_PIDS = [int(p) for p in pids]
+        _EP_PIDS = _EP_COMM.all_gather(torch.tensor([os.getpid()], device=device), dim=0).tolist()
     _WORLD_COMM = communicator_cls(world_group, device, all2all_backend)
     _TP_COMM = communicator_cls(group, device, all2all_backend)
 
