@@ -7,10 +7,13 @@ import asyncio
 import os
 import signal
 import time
+from datetime import timedelta
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
+import zmq
 
 from conftest import save_byte_tokenizer
 from support.deepseek_checkpoints import save_deepseek
@@ -23,6 +26,8 @@ from tokenmill.distributed.parallel_state import (
     init_distributed_environment,
 )
 from tokenmill.engine.async_llm import AsyncLLM
+from tokenmill.engine.core_proc import SHUTDOWN, EngineCoreProc, encoder
+from tokenmill.engine.engine_core import EngineCoreOutputs
 from tokenmill.engine.output_processor import RequestOutputKind
 from tokenmill.worker.multiproc_executor import get_open_port
 from worker.test_distributed import (
@@ -78,6 +83,85 @@ def test_moe_across_two_cores_with_one_idle_then_unequal_token_counts(tmp_path):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=backend)
         assert len(idle) == 1
         torch.testing.assert_close(idle[0], expected[-1][:5], rtol=1e-5, atol=1e-5, msg=backend)
+
+
+class _ScriptedCore:
+    """An engine core whose steps follow a script: each entry says whether the step sends
+    anything to the workers (a step waiting for a grammar to compile sends nothing). Every
+    step that does and every dummy step is one MoE collective over the cores' group."""
+
+    def __init__(self, script: list[bool]) -> None:
+        self.script = script
+        self.num_executed_steps = 0
+        self.num_dummy_steps = 0
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.script)
+
+    def step(self) -> EngineCoreOutputs:
+        if self.script.pop(0):
+            self._moe_collective()
+        return EngineCoreOutputs()
+
+    def execute_dummy_batch(self) -> None:
+        self.num_dummy_steps += 1
+        self._moe_collective()
+
+    def _moe_collective(self) -> None:
+        self.num_executed_steps += 1
+        dist.all_reduce(torch.ones(1))
+
+    def abort_all_requests(self) -> list[str]:
+        self.script.clear()
+        return []
+
+    def get_stats(self) -> dict[str, int]:
+        return {}
+
+
+class _Input:
+    """An input socket that delivers a shutdown once ``core`` has finished its script."""
+
+    def __init__(self, core: _ScriptedCore) -> None:
+        self.core = core
+        self.sent = False
+
+    def poll(self, timeout_ms: int) -> bool:
+        return not self.core.script and not self.sent
+
+    def recv_multipart(self, flags: int) -> list[bytes]:
+        if self.core.script or self.sent:
+            raise zmq.Again()
+        self.sent = True
+        return [SHUTDOWN, encoder.encode(None)]
+
+
+class _Output:
+    def send_multipart(self, frames: list[bytes]) -> None:
+        pass
+
+
+def _scripted_core(core_index: int, port: int, out: str) -> None:
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=core_index, world_size=2,
+        timeout=timedelta(seconds=20),
+    )
+    core = _ScriptedCore([False, True, True, False, True] if core_index == 0 else [])
+    EngineCoreProc(core, _Input(core), _Output(), None, dist.group.WORLD).run_busy_loop()  # type: ignore[arg-type]
+    torch.save((core.num_executed_steps, core.num_dummy_steps), f"{out}.{core_index}")
+    dist.destroy_process_group()
+
+
+def test_cores_meet_every_moe_collective_with_dummy_steps_and_stop_together(tmp_path):
+    """Core 0 steps five times, two of them sending nothing to its workers; core 1 has no
+    requests: core 1 runs a dummy step for each of core 0's steps, core 0 one for each step
+    of its own that sent nothing, so both meet the same five MoE collectives (a missing
+    dummy step would leave the other core waiting until the gloo timeout); then both leave
+    together."""
+    out = str(tmp_path / "steps")
+    mp.spawn(_scripted_core, args=(get_open_port(), out), nprocs=2)
+    assert torch.load(f"{out}.0") == (5, 2)
+    assert torch.load(f"{out}.1") == (5, 5)
 
 
 def test_settings_experts_across_data_parallel_cores_cannot_honour_are_refused(tmp_path):
