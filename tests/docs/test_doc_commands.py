@@ -82,8 +82,8 @@ SCRIPT = re.compile(r"`((?:python|bash)\s+(?:benchmarks|scripts)/[^`]+)`")
 INLINE_CLI = re.compile(r"`(tokenmill\s+[^`]+)`")
 
 
-def shell_commands() -> list[tuple[str, str]]:
-    """(file, command) for every command line of the docs' shell blocks, as written: comments
+def shell_blocks() -> list[tuple[str, list[str]]]:
+    """(file, commands) for every shell block of the docs, its command lines as written: comments
     removed, continuation lines joined, runs of blanks as one."""
     found = []
     for path in DOCS:
@@ -92,11 +92,14 @@ def shell_commands() -> list[tuple[str, str]]:
             lines = body.replace("\\\n", " ").splitlines()
             if lang == "console":
                 lines = [line[2:] for line in lines if line.startswith("$ ")]
-            for line in lines:
-                command = " ".join(re.sub(r"(^|\s)#\s.*$", "", line).split())
-                if command:
-                    found.append((path.name, command))
+            commands = [" ".join(re.sub(r"(^|\s)#\s.*$", "", line).split()) for line in lines]
+            found.append((path.name, [c for c in commands if c]))
     return found
+
+
+def shell_commands() -> list[tuple[str, str]]:
+    """(file, command) for every command line of the docs' shell blocks."""
+    return [(name, command) for name, commands in shell_blocks() for command in commands]
 
 
 def _known(command: str) -> str | None:
