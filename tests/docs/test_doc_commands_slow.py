@@ -8,9 +8,9 @@ becomes a real one (:data:`PATHS`, made by the test), ``HEAD_IP`` is this machin
 gets ``--host 127.0.0.1`` and a 256 MiB KV cache when it names no size. ``tokenmill serve`` and
 ``tokenmill router`` start in the background and are up once ``/health`` answers; when the block
 sends no request itself, one completion goes to the last server started. A Ray cluster's "nodes"
-are Ray processes on this machine (``ray start`` with a private temporary directory, stopped by
-their process ids), each given 8 CPUs (``--num-cpus 8``) since the engine places one bundle per
-rank and this machine has 2 cores.
+are Ray processes on this machine (``ray start`` with a private temporary directory and token,
+stopped by their process ids), each given 8 CPUs (``--num-cpus 8``) since the engine places one
+bundle per rank and this machine has 2 cores.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import shlex
 import shutil
 import socket
@@ -32,7 +33,8 @@ import httpx
 import psutil
 import pytest
 
-from test_doc_commands import ROOT, shell_blocks
+from test_doc_commands import PYTHON_SLOW, ROOT, python_blocks, replace_llm, shell_blocks
+from tokenmill import LLM, SamplingParams
 
 pytestmark = pytest.mark.slow
 
@@ -116,7 +118,11 @@ class BlockRun:
             self.foreground(words, env)
 
     def _argv(self, words: list[str]) -> list[str]:
-        head = {"tokenmill": [sys.executable, "-m", "tokenmill"], "pytest": [sys.executable, "-m", "pytest"]}
+        head = {
+            "tokenmill": [sys.executable, "-m", "tokenmill"],
+            "pytest": [sys.executable, "-m", "pytest"],
+            "ray": [sys.executable, "-m", "ray.scripts.scripts"],
+        }
         if words[0] == "python":
             return [sys.executable, *words[1:]]
         return head.get(words[0], [words[0]]) + words[1:]
@@ -146,7 +152,11 @@ class BlockRun:
     def ray_start(self, words: list[str], env: dict[str, str]) -> None:
         if self.ray_dir is None:
             self.ray_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")
-        env = {**env, "RAY_TMPDIR": self.ray_dir, "RAY_USAGE_STATS_ENABLED": "0"}
+            self.env.update(
+                RAY_TMPDIR=self.ray_dir, RAY_USAGE_STATS_ENABLED="0",
+                RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32),
+            )
+            env.update(self.env)
         done = subprocess.run(
             [*self._argv(words), "--num-cpus", "8"],
             env=env, capture_output=True, text=True, timeout=300,
@@ -154,7 +164,6 @@ class BlockRun:
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         if "--head" in words:
             self.env["RAY_ADDRESS"] = f"127.0.0.1:{words[words.index('--port') + 1]}"
-            self.env["RAY_TMPDIR"] = self.ray_dir
 
     def foreground(self, words: list[str], env: dict[str, str]) -> None:
         in_project = any(w.startswith(("tests/", "benchmarks/")) for w in words)
@@ -169,7 +178,8 @@ class BlockRun:
 
     def complete(self) -> dict:
         _, url, _ = self.servers[-1]
-        response = httpx.post(url + "/v1/completions", json={"prompt": "The capital of France is", "max_tokens": 4}, timeout=300)
+        request = {"prompt": [1, 2, 3], "max_tokens": 4}  # token ids: the tiny models have no tokenizer
+        response = httpx.post(url + "/v1/completions", json=request, timeout=300)
         assert response.status_code == 200, response.text
         return response.json()
 
@@ -183,20 +193,26 @@ class BlockRun:
                 server[0].wait(10)
             self.servers.remove(server)
 
+    def _uses_ray_dir(self, proc: psutil.Process) -> bool:
+        """Whether ``proc`` is one of this block's Ray processes: its environment names the
+        temporary directory or (an agent that retitled itself over its environment) it has a
+        file open there."""
+        assert self.ray_dir
+        try:
+            return proc.environ().get("RAY_TMPDIR") == self.ray_dir or any(
+                f.path.startswith(self.ray_dir) for f in proc.open_files()
+            )
+        except psutil.Error:
+            return False
+
     def close(self) -> None:
         self.stop(list(self.servers))
         if self.ray_dir:
-            mine = []
-            for proc in psutil.process_iter(["cmdline", "environ"]):
-                try:
-                    text = " ".join(proc.info["cmdline"] or []) + str((proc.info["environ"] or {}).get("RAY_TMPDIR"))
-                except (psutil.Error, TypeError):
-                    continue
-                if self.ray_dir in text:
-                    mine.append(proc)
+            mine = [proc for proc in psutil.process_iter() if self._uses_ray_dir(proc)]
             for proc in mine:
                 proc.terminate()
-            psutil.wait_procs(mine, timeout=20)
+            for proc in psutil.wait_procs(mine, timeout=10)[1]:
+                proc.kill()
             shutil.rmtree(self.ray_dir, ignore_errors=True)
 
 
@@ -242,9 +258,10 @@ def _lora_server_block() -> list[str]:
     return commands
 
 
-@pytest.mark.parametrize("block", [b for b, _ in blocks_run_here()])
-def test_doc_block_runs(block, block_run, paths):
-    commands = dict(blocks_run_here())[block]
+@pytest.mark.parametrize(
+    "commands", [pytest.param(c, id=re.sub(r"[^\w.=-]+", "_", label)[:90]) for label, c in blocks_run_here()]
+)
+def test_doc_block_runs(commands, block_run, paths):
     if commands[0].startswith("curl -X POST localhost:8000/v1/load_lora_adapter"):
         for command in _lora_server_block():
             block_run.run(command)
@@ -252,9 +269,32 @@ def test_doc_block_runs(block, block_run, paths):
     for command in commands:
         block_run.run(command)
     if block_run.servers and not block_run.sent_request:
-        assert block_run.complete()["choices"][0]["text"] is not None
+        assert block_run.complete()["usage"]["completion_tokens"] > 0
     if "--disable-web-ui" in commands[-1]:
         assert httpx.get(block_run.servers[-1][1] + "/").status_code == 404
     if commands[0].startswith("WEB_UI_SCREENSHOT_DIR="):
         shots = Path(paths["WEB_UI_SCREENSHOT_DIR=screenshots"].split("=", 1)[1])
         assert sorted(p.name for p in shots.glob("*.png")), "the browser tests saved no screenshot"
+
+
+@pytest.mark.parametrize("block", list(PYTHON_SLOW))
+def test_python_block_runs(block, monkeypatch):
+    """The block (which uses ``LLM`` as the page's earlier code imported it) builds its engine,
+    with a 256 MiB KV cache, and the engine generates."""
+    built: list[LLM] = []
+
+    def build(**kwargs) -> LLM:
+        built.append(LLM(**kwargs, kv_cache_memory_bytes=int(DEFAULT_KV)))
+        return built[-1]
+
+    replace_llm(monkeypatch, build)
+    namespace: dict = {"LLM": build}
+    try:
+        exec(compile(python_blocks()[block], block, "exec"), namespace)
+        out = namespace["llm"].generate(
+            "The capital of France is", SamplingParams(temperature=0, max_tokens=4), use_tqdm=False
+        )
+        assert len(out[0].outputs[0].token_ids) == 4
+    finally:
+        for llm in built:
+            llm.llm_engine.engine_core.shutdown()
