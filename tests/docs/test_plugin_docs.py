@@ -22,7 +22,6 @@ import shutil
 import sys
 import textwrap
 import threading
-import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -36,6 +35,11 @@ from test_doc_commands import replace_llm
 from tokenmill import LLM, SamplingParams, cli, plugins
 from tokenmill.interfaces import AttentionConfig
 from tokenmill.selector import select_attention_backend, select_platform
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:
+    import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "plugins.md"
