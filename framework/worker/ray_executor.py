@@ -17,6 +17,7 @@ naming the rank and its stage).
 
 from __future__ import annotations
 
+import threading
 import weakref
 from typing import Any
 
@@ -29,6 +30,9 @@ from tokenmill.worker.worker import Worker
 PLACEMENT_TIMEOUT_S = 60.0
 """How long to wait for the cluster to find room for every rank."""
 
+_INIT_LOCK = threading.Lock()
+"""Data-parallel engine cores start in threads, each connecting to Ray: one ``ray.init()``."""
+
 
 def init_ray(setting: str) -> Any:
     """The ``ray`` module, connected to a cluster: the one this process is connected to, else
@@ -38,8 +42,9 @@ def init_ray(setting: str) -> Any:
         import ray
     except ImportError:
         raise ImportError(f"{setting} needs Ray: pip install 'tokenmill[ray]'") from None
-    if not ray.is_initialized():
-        ray.init()
+    with _INIT_LOCK:
+        if not ray.is_initialized():
+            ray.init()
     return ray
 
 

@@ -1,18 +1,22 @@
 """Every command shown in README.md and docs/*.md is checked here.
 
 Shell blocks (```bash, ```console): each ``tokenmill`` command is parsed by the real argument
-parser, and those in :data:`RUN` (plus the README's three server commands) are executed; any
-other command must be listed in :data:`NOT_RUN` with the reason and the test that runs it. Inline
-commands (`python benchmarks/...`, `tokenmill ...` in prose) name a script that exists and flags
-it defines. A new command in the docs fails :func:`test_every_shell_command_is_checked` until it
-is run here or listed. Every ```python block (the plugins page's aside, see
-:data:`PYTHON_DOCS`) runs here or is listed in :data:`PYTHON_NOT_RUN`.
+parser; those in :data:`RUN`, the README's three server commands and the plugins page's install
+session (:data:`PLUGIN_SESSION`) run here, the heavier blocks (several worker processes, Ray
+clusters, the disaggregated trio, LoRA servers, benchmarks at their sizes) in
+test_doc_commands_slow.py, the lm-eval example in tests/e2e/test_lm_eval.py (:data:`RUN_ELSEWHERE`);
+any other command must be listed in :data:`NOT_RUN` with the reason.
+Inline commands (`python benchmarks/...`, `tokenmill ...` in prose) name a script that exists and
+flags it defines. A new command in the docs fails :func:`test_every_shell_command_is_checked`
+until it runs or is listed. Every ```python block runs: here, in test_doc_commands_slow.py
+(:data:`PYTHON_SLOW`) or, for docs/plugins.md, in test_plugin_docs.py.
 """
 
 from __future__ import annotations
 
 import io
 import json
+import os
 import re
 import shlex
 import shutil
@@ -44,46 +48,48 @@ CURL = "curl -s http://127.0.0.1:8000/v1/completions"
 BENCH_SERVE = "tokenmill bench serve --base-url http://127.0.0.1:8000 --num-prompts 100 --max-concurrency 16"
 """The README's server commands: run on a free port, the benchmark with 4 prompts of 8 output tokens."""
 
+PLUGIN_SESSION = ("pip install ./plugins_example", "tokenmill plugins", "tokenmill example-hello --name you")
+"""The plugins page's console session, run as written in a copy of the project (pip installing
+into a temporary target through pip's environment variables); each command prints the lines the
+page shows (``...`` standing for more)."""
+
 NOT_RUN = {
-    "make demo": "the set-up itself: CI runs `make test` from a clean clone (.ci/run), which installs what `make demo` does",
-    "make test": "the set-up itself: CI runs it (.ci/run)",
-    "pip install ./plugins_example": "tests/plugins/test_example_plugin.py installs the example (into a temporary target)",
-    "tokenmill example-hello": "needs the example plugin installed: tests/plugins/test_example_plugin.py runs it",
-    "pytest --tokenmill-": "the conformance kit: tests/plugins/test_conformance_kit.py runs these options",
-    "ray start": "needs a Ray cluster of several machines",
-    "M=": "a shell variable of the lm-eval and vllm examples",
-    "HF_DATASETS_OFFLINE=1 lm_eval": "tests/e2e/test_lm_eval.py runs lm-eval against tokenmill serve and HF",
-    "for backend in": "needs vllm, which the test environment does not install",
-    "vllm bench serve": "needs vllm, which the test environment does not install",
-    "done": "the end of the vllm loop",
-    "tokenmill serve --tensor-parallel-size": "parsed only: 3 ranks take minutes on 2 cores; tests/worker/test_distributed.py runs tensor parallelism on tiny models",
-    "tokenmill serve --data-parallel-size": "parsed only: tests/worker/test_distributed.py runs data parallelism on tiny models",
-    "tokenmill serve --pipeline-parallel-size": "parsed only: tests/worker/test_pipeline_parallel.py runs pipeline stages on tiny models and the default model",
-    "tokenmill serve --model /models/deepseek-v3": "parsed only: needs a DeepSeek-V3 checkpoint; tests/worker/test_pipeline_parallel.py runs expert parallelism on a tiny one",
-    "tokenmill serve --model /models/my-model": "parsed only: needs a Ray cluster and a model at that path",
-    "tokenmill serve --port 8000 --kv-cache-memory-bytes": "parsed only: the first line of the vllm example",
-    "tokenmill serve --port 8000 &": "parsed only: the first line of the lm-eval example",
-    "tokenmill bench throughput": "parsed only: the documented sizes take minutes; tests/e2e/test_progress.py runs it on a tiny model",
-    "tokenmill serve --enable-lora": "parsed only: needs PEFT adapters at those paths; tests/server/test_lora_server.py serves adapters made with peft",
-    "curl -X POST localhost:8000/v1/load_lora_adapter": "tests/server/test_lora_server.py loads adapters through this endpoint",
-    "curl -X POST localhost:8000/v1/unload_lora_adapter": "tests/server/test_lora_server.py unloads adapters through this endpoint",
-    "WEB_UI_SCREENSHOT_DIR=": "the browser tests themselves, which the suite runs (tests/server/test_web_ui_browser.py)",
-    "tokenmill serve --port 8000 --kv-transfer-config": "parsed only: tests/kv_connectors/ runs the storage and offload connectors on tiny models",
-    "tokenmill serve --port 8100 --kv-transfer-config": "parsed only: tests/server/test_disaggregated.py runs a p2p prefill instance",
-    "tokenmill serve --port 8200 --kv-transfer-config": "parsed only: tests/server/test_disaggregated.py runs a p2p decode instance",
-    "tokenmill router --port 8000": "parsed only: tests/server/test_disaggregated.py runs the router over real instances",
-    "python benchmarks/lora.py": "a benchmark (minutes, and vLLM's CPU build for the comparison); "
-    "tests/lora/test_lora_units.py checks the kernel it times against the per-row reference",
-    "tokenmill bench latency": "parsed only: the documented sizes take minutes; tests/e2e/test_progress.py runs it on a tiny model",
+    "make demo": "the set-up itself (scripts/install.sh installs from the package index): "
+    "CI runs `make test` from a clean clone (.ci/run), which installs what `make demo` does",
+    "make test": "the test suite itself: CI runs it (.ci/run)",
+    "tokenmill serve --port 8000 --kv-cache-memory-bytes": "the vllm example: needs vLLM's CPU build, which "
+    "the test extras do not install (its wheel brings its own torch); run by hand with "
+    "benchmarks/vllm_cli.py as the `vllm` command",
+    "for backend in": "the vllm example",
+    "vllm bench serve": "the vllm example",
+    "done": "the vllm example",
+    "python benchmarks/lora.py --vllm-python": "needs vLLM's CPU build (see the vllm example); "
+    "`python benchmarks/lora.py --kernel` runs (slow)",
 }
-"""Shell commands not run as written (prefix -> why, and where they are exercised)."""
+"""Shell commands not run (prefix -> why, and where they are exercised)."""
+
+RUN_ELSEWHERE = {
+    "tokenmill serve --port 8000 &": "tests/e2e/test_lm_eval.py (slow): the shared default_server, "
+    "this command with the test flags",
+    "M=": "a shell variable: tests/e2e/test_lm_eval.py fills $M in with the default model's directory",
+    "HF_DATASETS_OFFLINE=1 lm_eval": "tests/e2e/test_lm_eval.py (slow, 26 min on 2 cores) runs both as written, "
+    "--output_path and --log_samples added",
+}
+"""Shell commands another (slow) test runs as written (prefix -> the test)."""
+
+
+def run_in_slow_tests() -> set[str]:
+    """The commands tests/docs/test_doc_commands_slow.py runs as written."""
+    from test_doc_commands_slow import commands_run_here
+
+    return commands_run_here()
 
 SCRIPT = re.compile(r"`((?:python|bash)\s+(?:benchmarks|scripts)/[^`]+)`")
 INLINE_CLI = re.compile(r"`(tokenmill\s+[^`]+)`")
 
 
-def shell_commands() -> list[tuple[str, str]]:
-    """(file, command) for every command line of the docs' shell blocks, as written: comments
+def shell_blocks() -> list[tuple[str, list[str]]]:
+    """(file, commands) for every shell block of the docs, its command lines as written: comments
     removed, continuation lines joined, runs of blanks as one."""
     found = []
     for path in DOCS:
@@ -92,11 +98,14 @@ def shell_commands() -> list[tuple[str, str]]:
             lines = body.replace("\\\n", " ").splitlines()
             if lang == "console":
                 lines = [line[2:] for line in lines if line.startswith("$ ")]
-            for line in lines:
-                command = " ".join(re.sub(r"(^|\s)#\s.*$", "", line).split())
-                if command:
-                    found.append((path.name, command))
+            commands = [" ".join(re.sub(r"(^|\s)#\s.*$", "", line).split()) for line in lines]
+            found.append((path.name, [c for c in commands if c]))
     return found
+
+
+def shell_commands() -> list[tuple[str, str]]:
+    """(file, command) for every command line of the docs' shell blocks."""
+    return [(name, command) for name, commands in shell_blocks() for command in commands]
 
 
 def _known(command: str) -> str | None:
@@ -106,25 +115,32 @@ def _known(command: str) -> str | None:
     return None
 
 
+def run_here(command: str) -> bool:
+    """Whether this module runs ``command`` as written (bar the test flags it names)."""
+    return command in (*RUN, SERVE, BENCH_SERVE, *PLUGIN_SESSION) or command.startswith(CURL)
+
+
 def test_every_shell_command_is_checked():
+    slow = run_in_slow_tests()
     unchecked = []
     for name, command in shell_commands():
-        if command in RUN or command.startswith((SERVE, CURL, BENCH_SERVE)) or _known(command):
+        if run_here(command) or command in slow or command.startswith(tuple(RUN_ELSEWHERE)) or _known(command):
             continue
         unchecked.append(f"{name}: {command}")
-    assert unchecked == [], "run these in tests/docs/test_doc_commands.py or list them in NOT_RUN"
+    assert unchecked == [], "run these here or in test_doc_commands_slow.py, or list them in NOT_RUN"
+    assert not [c for _, c in shell_commands() if (c in slow or run_here(c)) and _known(c)], "run and listed"
 
 
 def test_listed_commands_are_still_in_the_docs():
     commands = [command for _, command in shell_commands()]
-    for listed in [*RUN, SERVE, CURL, BENCH_SERVE, *NOT_RUN]:
+    for listed in [*RUN, SERVE, CURL, BENCH_SERVE, *PLUGIN_SESSION, *RUN_ELSEWHERE, *NOT_RUN]:
         assert any(c == listed or c.startswith(listed) for c in commands), listed
 
 
 def test_every_tokenmill_command_parses():
     for name, command in shell_commands():
         words = shlex.split(command)
-        if words[0] != "tokenmill" or _known(command) == "tokenmill example-hello":
+        if words[0] != "tokenmill" or command in PLUGIN_SESSION:
             continue
         argv = [w for w in words[1:] if w != "&"]
         try:
@@ -253,10 +269,44 @@ def test_readme_server_commands_run(default_server):
     default_server.wait_idle()
 
 
+def console_session(first: str) -> list[tuple[str, list[str]]]:
+    """(command, the output lines shown after it) of the docs' console block that starts with
+    ``$ first``."""
+    for path in DOCS:
+        for body in re.findall(r"^```console\n(.*?)^```", path.read_text(), re.S | re.M):
+            if body.startswith(f"$ {first}\n"):
+                session: list[tuple[str, list[str]]] = []
+                for line in body.splitlines():
+                    if line.startswith("$ "):
+                        session.append((line[2:], []))
+                    else:
+                        session[-1][1].append(line)
+                return session
+    raise LookupError(first)
+
+
+def test_plugin_install_session_runs(tmp_path):
+    session = console_session(PLUGIN_SESSION[0])
+    assert tuple(command for command, _ in session) == PLUGIN_SESSION
+    ignore = shutil.ignore_patterns("build", "*.egg-info", "__pycache__")
+    shutil.copytree(ROOT / "plugins_example", tmp_path / "plugins_example", ignore=ignore)
+    site = tmp_path / "site"
+    env = {k: v for k, v in os.environ.items() if k not in ("TOKENMILL_PLUGINS", "TOKENMILL_PLATFORM")}
+    env.update(PIP_TARGET=str(site), PIP_NO_DEPS="1", PIP_NO_BUILD_ISOLATION="0", PIP_QUIET="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(site), env.get("PYTHONPATH", "")])
+    for command, shown in session:
+        words = shlex.split(command)
+        argv = [sys.executable, "-m", words[0], *words[1:]]
+        done = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, f"{command}: {done.stderr}"
+        printed = iter(" ".join(line.split()) for line in done.stdout.splitlines())
+        expected = [" ".join(line.split()) for line in shown if line.strip() != "..."]
+        missing = [line for line in expected if line not in printed]
+        assert missing == [], f"{command} printed:\n{done.stdout}"
+
+
 PYTHON_DOCS = [path for path in DOCS if path.name != "plugins.md"]
-"""The docs whose ```python blocks run here; docs/plugins.md's are the example plugin's code
-(tests/plugins/test_example_plugin.py runs that) and its tiny-checkpoint recipe
-(tests/plugins/test_plugins.py runs those blocks in order)."""
+"""The docs whose ```python blocks run here; docs/plugins.md's run in test_plugin_docs.py."""
 
 
 def python_blocks() -> dict[str, str]:
@@ -298,20 +348,19 @@ SAME_AS = {"usage.md#1": "README.md#1"}
 HOOKS = ["architecture.md#1", "kv_transfer.md#2"]
 """Hook implementations: defined, then called with a recorder of what they register."""
 
-PYTHON_NOT_RUN = {
-    "scaling_out.md#1": "tensor_parallel_size=3: three worker processes of the default model take minutes on 2 cores; "
-    "tests/worker/test_distributed.py runs tensor parallelism at 3 ranks on the default model's twin and tiny models",
-    "scaling_out.md#2": "pipeline_parallel_size=2 x tensor_parallel_size=3: six worker processes; "
-    "tests/worker/test_pipeline_parallel.py runs pipeline and tensor parallelism together on tiny models",
+PYTHON_SLOW = {
+    "scaling_out.md#1": "tensor_parallel_size=3: three worker processes of the default model",
+    "scaling_out.md#2": "pipeline_parallel_size=2 x tensor_parallel_size=3: six worker processes of the default model",
 }
-"""Python blocks not run here -> why, and the test that runs what they show."""
+"""Python blocks that build engines of several worker processes: test_doc_commands_slow.py runs
+them (slow) -> what they start."""
 
 
 def test_every_python_block_is_run_or_listed():
-    handled = [*ON_DEFAULT_MODEL, *ON_TINY_MODEL, *SAME_AS, *HOOKS, *PYTHON_NOT_RUN]
+    handled = [*ON_DEFAULT_MODEL, *ON_TINY_MODEL, *SAME_AS, *HOOKS, *PYTHON_SLOW]
     assert len(handled) == len(set(handled))
     blocks = python_blocks()
-    assert sorted(blocks) == sorted(handled), "run new ```python blocks here or list them in PYTHON_NOT_RUN"
+    assert sorted(blocks) == sorted(handled), "run new ```python blocks here or in PYTHON_SLOW"
     for block, runner in SAME_AS.items():
         assert blocks[block] == blocks[runner], f"{block} differs from {runner}: run it on its own"
 

@@ -4,6 +4,7 @@ example plugin's pass it; deliberately broken parts fail it at the contract poin
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +12,13 @@ from pathlib import Path
 import pytest
 
 TESTS = Path(__file__).resolve().parents[1] / "support"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "plugins.md"
+
+
+def doc_hook(name: str) -> str:
+    """The ```python block of docs/plugins.md that defines the kit hook ``name``."""
+    [block] = [b for b in re.findall(r"^```python\n(.*?)^```", DOCS.read_text(), re.S | re.M) if f"def {name}(" in b]
+    return block
 
 BROKEN_CONFTEST = """
 from tokenmill import plugins
@@ -52,7 +60,7 @@ def summary(out: str) -> dict[str, str]:
 FIRST_PARTY_CONFTEST = """
 from pathlib import Path
 
-from deepseek_checkpoints import save_deepseek, write_mtp_checkpoint
+from deepseek_checkpoints import save_deepseek, write_mtp_checkpoint as save_tiny_deepseek_v3_with_mtp
 from eagle_heads import write_eagle_head
 
 VERSIONS = {"DeepseekV2ForCausalLM": "v2", "DeepseekV3ForCausalLM": "v3"}
@@ -63,18 +71,12 @@ def pytest_tokenmill_tiny_checkpoint(arch, path):
         return Path(save_deepseek(path, VERSIONS[arch])[0])
 
 
-def pytest_tokenmill_proposer_target(method, path):
-    if method == "mtp":
-        write_mtp_checkpoint(path)
-        return path
-
-
 def pytest_tokenmill_speculative_config(method, model_path, prompts):
     if method == "eagle":
         return {"method": method, "model": write_eagle_head(model_path.parent / "eagle_head", model_path)}
-"""
+""" + doc_hook("pytest_tokenmill_proposer_target")
 """The kit's hooks for the DeepSeek models, whose transformers defaults are far from tiny, for
-the ``mtp`` proposer's DeepSeek-V3 target and for a random EAGLE-1 head."""
+a random EAGLE-1 head and (docs/plugins.md's) for the ``mtp`` proposer's DeepSeek-V3 target."""
 
 CAUSAL_LMS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 """The first-party models the kit checks (not ``DeepSeekMTPModel``: a draft module, no LM)."""
@@ -122,22 +124,39 @@ def test_first_party_cpu_parts_pass(tmp_path):
     }, result.stdout[-4000:]
 
 
-CORPUS_CONFTEST = """
-def pytest_tokenmill_speculative_config(method, model_path, prompts):
-    if method == "corpus-lookup":
-        return {"method": method, "corpus_token_ids": prompts, "lookup_len": 2}
+MY_MODEL_CONFTEST = """
+from tokenmill import plugins
+from tokenmill.testing.checkpoints import save_tiny_checkpoint
+
+plugins.register_model("MyModelForCausalLM", "tokenmill.models.llama:LlamaForCausalLM")
+
+
+def save_my_tiny_model(path):
+    save_tiny_checkpoint("LlamaForCausalLM", path)
+    config = path / "config.json"
+    config.write_text(config.read_text().replace('"LlamaForCausalLM"', '"MyModelForCausalLM"'))
 """
-"""The example's ``corpus-lookup`` proposer needs a corpus: the kit's own prompts."""
+"""A model only the author can save a checkpoint of (a Llama under a name transformers lacks)."""
+
+EXAMPLE_CONFTEST = doc_hook("pytest_tokenmill_speculative_config") + MY_MODEL_CONFTEST + doc_hook(
+    "pytest_tokenmill_tiny_checkpoint"
+)
+"""docs/plugins.md's hooks: the example's ``corpus-lookup`` proposer gets the kit's own prompts as
+its corpus, and ``MyModelForCausalLM`` its tiny checkpoint."""
 
 
 def test_example_plugin_passes(tmp_path, example_plugin_site):
-    (tmp_path / "conftest.py").write_text(CORPUS_CONFTEST)
-    result = run_kit(tmp_path, "--tokenmill-plugin", "example", pythonpath=[example_plugin_site])
+    (tmp_path / "conftest.py").write_text(EXAMPLE_CONFTEST)
+    result = run_kit(
+        tmp_path, "--tokenmill-plugin", "example", "--tokenmill-model", "MyModelForCausalLM",
+        pythonpath=[example_plugin_site],
+    )
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
     assert summary(result.stdout) == {
         "attention backend 'example-hnd'": "6 of 6 contract points passed",
         "platform 'example'": "5 of 5 contract points passed",
         "model 'GPT2LMHeadModel'": "5 of 5 contract points passed",
+        "model 'MyModelForCausalLM'": "4 of 5 contract points passed",  # transformers lacks it
         "proposer 'corpus-lookup'": "4 of 4 contract points passed",
         "plugin 'example'": "1 of 1 contract points passed",
     }, result.stdout[-4000:]
