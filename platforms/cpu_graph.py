@@ -11,7 +11,8 @@ A capture is kept only when the forward is nothing but C kernel calls on memory 
 it runs under a torch dispatch mode that refuses every torch op other than allocating and
 viewing (a oneDNN product, an ``index_copy_``, an add); the tensors it allocates are held by the
 graph, so the recorded pointers stay valid; and a replay must reproduce the eager forward bit for
-bit. A size that fails any of these ends the capture (larger ones would fail alike) and runs
+bit. A replay is one C call (``cpu_ops.run_plan``): the recorded calls, packed, run in one
+OpenMP region, as llama.cpp computes a graph. A size that fails any of these ends the capture (larger ones would fail alike) and runs
 eagerly. In practice: the quantization methods with C kernels (gguf, int8, int4, fp8) are
 captured at every size; float32 weights up to 4 rows, where their products are C calls
 (``platforms/cpu_linear.py``, ``STREAM_MAX_ROWS``), not oneDNN. Graphs stop at ``MAX_SIZE``
@@ -103,7 +104,8 @@ def _same_storage(a: Any, b: Any) -> bool:
 
 @dataclass
 class CpuGraph:
-    calls: list[tuple[Any, tuple[Any, ...]]]
+    plan: Any
+    """The recorded kernel calls, packed (``cpu_ops.pack_plan``)."""
     kept: list[Any]
     metadata: Any
     output: torch.Tensor | tuple[torch.Tensor, ...]
@@ -133,7 +135,7 @@ class CpuGraphRunner(DecodeGraphRunner):
         logger.info(
             "CPU decode graphs for steps of %s tokens (%d kernel calls per step of 1)",
             ", ".join(map(str, self.graphs)),
-            len(self.graphs[min(self.graphs)].calls),
+            len(self.graphs[min(self.graphs)].plan),
         )
 
     def _capture(self, size: int) -> CpuGraph:
@@ -146,7 +148,11 @@ class CpuGraphRunner(DecodeGraphRunner):
                 output = self.model(ids, positions)
         if recorder.refused:
             raise NotCapturable(f"the forward runs torch op(s) {', '.join(sorted(recorder.refused))}")
-        graph = CpuGraph(recorder.calls, recorder.kept, metadata, output)
+        try:
+            plan = cpu_ops.pack_plan([(kernel.__name__, args) for kernel, args in recorder.calls])
+        except ValueError as e:
+            raise NotCapturable(str(e)) from e
+        graph = CpuGraph(plan, recorder.kept, metadata, output)
         for t in _tensors(output):
             t.fill_(float("nan"))
         self.replay(graph)
@@ -155,5 +161,4 @@ class CpuGraphRunner(DecodeGraphRunner):
         return graph
 
     def replay(self, graph: CpuGraph) -> None:
-        for kernel, args in graph.calls:
-            kernel(*args)
+        cpu_ops.run_plan(graph.plan)

@@ -11,6 +11,8 @@ the quantized weights of ``cpu_quant``, which wraps ``quant_int.c`` and ``quant_
 runtime they link is the one torch already loaded, so they share its threads, and each kernel
 runs on as many as ``torch.set_num_threads`` last gave the calling thread (``omp_get_max_threads``),
 read at every call: a recorded decode graph follows a change of the thread count.
+A decode plan (:func:`pack_plan`, ``csrc/plan.c``) runs a recorded sequence of these calls in
+one C call and one OpenMP region, each kernel's loops shared by the region's threads.
 ``TOKENMILL_DISABLE_CPU_KERNELS=1`` turns them all off.
 """
 
@@ -27,6 +29,7 @@ import tempfile
 import time
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -36,7 +39,7 @@ logger = logging.getLogger(__name__)
 
 SOURCES = (
     "attention.c", "embedding.c", "norm.c", "activation.c", "rotary.c", "gguf.c", "quant_int.c", "quant_fp8.c",
-    "lora.c",
+    "lora.c", "plan.c",
 )
 FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 # TOKENMILL_CPU_ISA: the compiler's instruction-set flags and the /proc/cpuinfo flags they need.
@@ -72,6 +75,16 @@ SIGNATURES = {
     "fp8_dequantize": [_PTR, _PTR, _PTR, _I64, _I64],
     "lora_apply": [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64],
 }
+
+
+PLAN_INTS, PLAN_FLOATS = 17, 2
+"""Arguments of one call in a plan: pointers and integers, floats (``csrc/plan.h``)."""
+
+
+class PlanOp(ctypes.Structure):
+    """One kernel call of a plan (``plan_op`` in ``csrc/plan.h``)."""
+
+    _fields_ = [("kernel", _I64), ("a", _I64 * PLAN_INTS), ("f", _F32 * PLAN_FLOATS)]
 
 
 KV_FORMATS = {torch.float32: 0, torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
@@ -164,7 +177,42 @@ def load() -> ctypes.CDLL | None:
         fn = getattr(lib, name)
         fn.argtypes = argtypes
         fn.restype = None
+    lib.plan_kernel.argtypes, lib.plan_kernel.restype = [_I64], ctypes.c_char_p
+    lib.run_plan.argtypes, lib.run_plan.restype = [_PTR, _I64], None
     return lib
+
+
+@cache
+def plan_kernels() -> dict[str, int]:
+    """The kernels a plan can call, by name: their ids in ``csrc/plan.c``."""
+    lib = load()
+    assert lib is not None
+    ids: dict[str, int] = {}
+    while (name := lib.plan_kernel(len(ids))) is not None:
+        ids[name.decode()] = len(ids)
+    return ids
+
+
+def pack_plan(calls: list[tuple[str, tuple[Any, ...]]]) -> ctypes.Array[PlanOp]:
+    """Kernel calls ``(name, args)``, the arguments as given to the kernel, packed for
+    :func:`run_plan`; ValueError for a kernel no plan runs."""
+    ids = plan_kernels()
+    plan = (PlanOp * len(calls))()
+    for op, (name, args) in zip(plan, calls):
+        if name not in ids:
+            raise ValueError(f"kernel {name} cannot run in a plan")
+        op.kernel = ids[name]
+        ints = [int(v or 0) for t, v in zip(SIGNATURES[name], args) if t is not _F32]
+        floats = [float(v) for t, v in zip(SIGNATURES[name], args) if t is _F32]
+        op.a[: len(ints)] = ints
+        op.f[: len(floats)] = floats
+    return plan
+
+
+def run_plan(plan: ctypes.Array[PlanOp]) -> None:
+    """The calls of a :func:`pack_plan` plan, in order, in one C call: one parallel region of
+    ``omp_get_max_threads`` threads (read at every call), a barrier between kernels."""
+    load().run_plan(plan, len(plan))
 
 
 def supports(*tensors: torch.Tensor | None) -> bool:

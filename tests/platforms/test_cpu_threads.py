@@ -131,14 +131,15 @@ torch.set_num_threads(2)
 with _Recorder() as recorder:
     cpu_ops.rms_norm(x, w, 1e-6)
 [(kernel, args)] = recorder.calls
+plan = cpu_ops.pack_plan([(kernel.__name__, args)])
 split = {}
 for threads in (1, 2):
     torch.set_num_threads(threads)
-    kernel(*args)
+    cpu_ops.run_plan(plan)
     time.sleep(0.05)  # the other thread's spin after the last region of two ends first
     thread, process = time.thread_time(), time.process_time()
     for _ in range(100):
-        kernel(*args)
+        cpu_ops.run_plan(plan)
     split[threads] = (time.thread_time() - thread, time.process_time() - process)
 print(json.dumps(split))
 """
@@ -146,7 +147,7 @@ print(json.dumps(split))
 
 @pytest.mark.skipif(len(CPUS) < 2, reason="needs two CPUs")
 def test_a_recorded_kernel_call_runs_on_the_calling_threads_count():
-    """Kernels take no thread count: a decode graph recorded at two threads replays on one
+    """Plans take no thread count: a decode graph recorded at two threads replays on one
     after ``before_step`` lowered the count. (In a fresh process, so that no other thread of
     the test process adds CPU time.)"""
     out = subprocess.run([sys.executable, "-c", RECORD_AND_REPLAY], capture_output=True, text=True, check=True)

@@ -3,6 +3,7 @@
 #include <math.h>
 #include <stdlib.h>
 #include "fp8.h"
+#include "plan.h"
 #include "vec.h"
 
 /* How many blocks ahead of the one being read keys are prefetched, into L2 (a block is
@@ -189,12 +190,12 @@ static void attend_blocks(const attn_shape *s, const float *qb, const int64_t *b
    The caches hold float32 or, with kv_format KV_E4M3 / KV_E5M2, float8: each block read is
    converted into a per-thread float32 buffer first. The float8 cache's key scale is part of
    `scale`; its value scale `v_scale` multiplies the output. */
-void paged_decode_attention(
+void paged_decode_attention_body(
     const float *q, int64_t q_stride, const int64_t *rows, const void *key_cache, const void *value_cache,
     const int64_t *block_table, int64_t table_stride, const int64_t *seq_lens,
     float *out, int64_t B, int64_t H, int64_t kvh, int64_t D, int64_t bs,
     float scale, float v_scale, int kv_format, int64_t max_len, int64_t window) {
-    const int nthreads = omp_get_max_threads();
+    const int nthreads = omp_get_num_threads();
     const int64_t row = kvh * D, block = bs * row;
     const attn_shape s = {
         key_cache, value_cache, H, H / kvh, D, row, bs, block,
@@ -202,8 +203,11 @@ void paged_decode_attention(
         kv_format, fp8_format_of(kv_format), scale,
     };
     const int64_t nsplit = B >= nthreads ? 1 : (nthreads + B - 1) / B, part = H * D + 2 * H;
-    float *parts = nsplit > 1 ? malloc(sizeof(float) * B * nsplit * part) : NULL;
-    #pragma omp parallel num_threads(nthreads)
+    float *parts = NULL;
+    if (nsplit > 1) {
+        #pragma omp single copyprivate(parts)
+        parts = malloc(sizeof(float) * B * nsplit * part);
+    }
     {
         float *scores = malloc(sizeof(float) * H * s.stride);
         float *ml = malloc(sizeof(float) * 2 * H);
@@ -269,7 +273,20 @@ void paged_decode_attention(
         free(ml);
         free(buf);
     }
-    free(parts);
+    if (nsplit > 1) {
+        #pragma omp single nowait
+        free(parts);
+    }
+}
+
+void paged_decode_attention(
+    const float *q, int64_t q_stride, const int64_t *rows, const void *key_cache, const void *value_cache,
+    const int64_t *block_table, int64_t table_stride, const int64_t *seq_lens,
+    float *out, int64_t B, int64_t H, int64_t kvh, int64_t D, int64_t bs,
+    float scale, float v_scale, int kv_format, int64_t max_len, int64_t window) {
+    #pragma omp parallel num_threads(omp_get_max_threads())
+    paged_decode_attention_body(q, q_stride, rows, key_cache, value_cache, block_table, table_stride, seq_lens,
+                                out, B, H, kvh, D, bs, scale, v_scale, kv_format, max_len, window);
 }
 
 /* Each token's key and value rows (kvh * D floats; rows key_stride / value_stride floats apart)
@@ -278,6 +295,7 @@ void paged_decode_attention(
 void kv_cache_write(float *key_cache, float *value_cache, const int64_t *slots, const float *key,
                     int64_t key_stride, const float *value, int64_t value_stride, int64_t n, int64_t row)
 {
+    #pragma omp for
     for (int64_t i = 0; i < n; ++i) {
         if (slots[i] < 0) continue;
         memcpy(key_cache + slots[i] * row, key + i * key_stride, sizeof(float) * row);

@@ -17,6 +17,7 @@
 #include <math.h>
 #include <stdlib.h>
 #include "vec.h"
+#include "plan.h"
 #if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
@@ -125,17 +126,17 @@ static inline __attribute__((always_inline)) void matmul_row(
 }
 
 /* y [T, N] = x [T, K] @ W.T for W [N, row_bytes] of GGUF type `type` (Q4_0, Q4_1 or Q8_0: the
-   caller checks); K a multiple of 32; x and y contiguous float32. */
-void gguf_matmul(int type, const uint8_t *w, int64_t row_bytes, const float *x, int64_t T, int64_t K,
-                 float *y, int64_t N) {
-    const int nthreads = omp_get_max_threads();
-    float xsum[T * (K / QK) + 1];
+   caller checks); K a multiple of 32; x and y contiguous float32. The body shares the output rows
+   among the threads of the enclosing team (csrc/plan.h); each thread sums x's blocks itself. */
+void gguf_matmul_body(int type, const uint8_t *w, int64_t row_bytes, const float *x, int64_t T, int64_t K,
+                      float *y, int64_t N) {
+    float *xsum = malloc(sizeof(float) * (size_t)(T * (K / QK) + 1));
     for (int64_t i = 0; i < T * (K / QK); ++i) {
         const float *xb = x + i * QK;
         xsum[i] = hsum(loadv(xb) + loadv(xb + 8) + loadv(xb + 16) + loadv(xb + 24));
     }
-    /* The type is switched on inside the parallel loop so each case is compiled for its type. */
-    #pragma omp parallel for num_threads(nthreads) schedule(static)
+    /* The type is switched on inside the loop so each case is compiled for its type. */
+    #pragma omp for schedule(static)
     for (int64_t o = 0; o < N; ++o) {
         const uint8_t *row = w + o * row_bytes;
         switch (type) {
@@ -144,6 +145,13 @@ void gguf_matmul(int type, const uint8_t *w, int64_t row_bytes, const float *x, 
             default: matmul_row(GGUF_Q8_0, row, x, T, K, xsum, y + o, N); break;
         }
     }
+    free(xsum);
+}
+
+void gguf_matmul(int type, const uint8_t *w, int64_t row_bytes, const float *x, int64_t T, int64_t K,
+                 float *y, int64_t N) {
+    #pragma omp parallel num_threads(omp_get_max_threads())
+    gguf_matmul_body(type, w, row_bytes, x, T, K, y, N);
 }
 
 static inline __attribute__((always_inline)) void dequantize_row(int type, const uint8_t *row, int64_t K, float *out) {
@@ -287,15 +295,15 @@ static inline __attribute__((always_inline)) void matmul_row_q8(
     }
 }
 
-/* As gguf_matmul, with x quantized by quantize_q8 first and integer block products. */
-void gguf_matmul_q8(int type, const uint8_t *w, int64_t row_bytes, const float *x, int64_t T, int64_t K,
-                    float *y, int64_t N) {
-    const int nthreads = omp_get_max_threads();
+/* As gguf_matmul, with x quantized by quantize_q8 first (by every thread of the team into its
+   own buffer: no barrier, and a small share of the product's work) and integer block products. */
+void gguf_matmul_q8_body(int type, const uint8_t *w, int64_t row_bytes, const float *x, int64_t T, int64_t K,
+                         float *y, int64_t N) {
     const int64_t nb = K / QK;
     int8_t *xq = malloc((size_t)(T * K));
     float *xd = malloc(sizeof(float) * (size_t)(2 * T * nb + 1)), *xs = xd + T * nb;
     quantize_q8(x, T * nb, xq, xd, xs);
-    #pragma omp parallel for num_threads(nthreads) schedule(static)
+    #pragma omp for schedule(static)
     for (int64_t o = 0; o < N; ++o) {
         const uint8_t *row = w + o * row_bytes;
         switch (type) {
@@ -306,4 +314,10 @@ void gguf_matmul_q8(int type, const uint8_t *w, int64_t row_bytes, const float *
     }
     free(xq);
     free(xd);
+}
+
+void gguf_matmul_q8(int type, const uint8_t *w, int64_t row_bytes, const float *x, int64_t T, int64_t K,
+                    float *y, int64_t N) {
+    #pragma omp parallel num_threads(omp_get_max_threads())
+    gguf_matmul_q8_body(type, w, row_bytes, x, T, K, y, N);
 }

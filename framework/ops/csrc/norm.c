@@ -1,8 +1,9 @@
 /* RMSNorm, alone and fused with the residual add before it, and the residual sum alone.
-   Rows in parallel. */
+   Rows shared among the threads of the enclosing team (csrc/plan.h). */
 #include <omp.h>
 #include <math.h>
 #include "vec.h"
+#include "plan.h"
 
 static inline void norm_row(float *out, const float *x, const float *w, int64_t N, float eps) {
     v8 ss = {0};
@@ -17,16 +18,19 @@ static inline void norm_row(float *out, const float *x, const float *w, int64_t 
 }
 
 /* out[t] = x[t] / rms(x[t]) * w; x and out are [T, N], contiguous. */
-void rms_norm(float *out, const float *x, const float *w, int64_t T, int64_t N, float eps) {
-    const int nthreads = omp_get_max_threads();
-    #pragma omp parallel for num_threads(nthreads) if (T * N >= 65536)
+void rms_norm_body(float *out, const float *x, const float *w, int64_t T, int64_t N, float eps) {
+    #pragma omp for
     for (int64_t t = 0; t < T; ++t) norm_row(out + t * N, x + t * N, w, N, eps);
 }
 
+void rms_norm(float *out, const float *x, const float *w, int64_t T, int64_t N, float eps) {
+    #pragma omp parallel num_threads(omp_get_max_threads()) if (T * N >= 65536)
+    rms_norm_body(out, x, w, T, N, eps);
+}
+
 /* In place: residual += x, then x = rms_norm(residual) * w (vLLM's fused_add_rms_norm). */
-void fused_add_rms_norm(float *x, float *residual, const float *w, int64_t T, int64_t N, float eps) {
-    const int nthreads = omp_get_max_threads();
-    #pragma omp parallel for num_threads(nthreads) if (T * N >= 65536)
+void fused_add_rms_norm_body(float *x, float *residual, const float *w, int64_t T, int64_t N, float eps) {
+    #pragma omp for
     for (int64_t t = 0; t < T; ++t) {
         float *xr = x + t * N, *rr = residual + t * N;
         int64_t i = 0;
@@ -36,9 +40,15 @@ void fused_add_rms_norm(float *x, float *residual, const float *w, int64_t T, in
     }
 }
 
+void fused_add_rms_norm(float *x, float *residual, const float *w, int64_t T, int64_t N, float eps) {
+    #pragma omp parallel num_threads(omp_get_max_threads()) if (T * N >= 65536)
+    fused_add_rms_norm_body(x, residual, w, T, N, eps);
+}
+
 /* out[t] = x[t] + residual[t], or x[t] when residual is NULL; x and residual are [T, N],
    contiguous; out's rows are out_stride floats apart. */
 void residual_sum(float *out, int64_t out_stride, const float *x, const float *residual, int64_t T, int64_t N) {
+    #pragma omp for
     for (int64_t t = 0; t < T; ++t) {
         float *o = out + t * out_stride;
         const float *xr = x + t * N, *rr = residual ? residual + t * N : NULL;

@@ -3,6 +3,7 @@
    dequantizer. */
 #include <omp.h>
 #include "quant_tile.h"
+#include "plan.h"
 
 /* e4m3fn bits s.eeee.mmm (bias 7) to float: the exponent and mantissa bits moved into a
    float's with the bias changed (exact for normal numbers); exponent 0 is subnormal,
@@ -34,10 +35,15 @@ static inline float fp8_load1(const void *row, int64_t k) { return fp8_to_f32_1(
 STREAMED_LINEAR(fp8_streamed, fp8_load8, fp8_load1, 0)
 
 /* out [M, N] = x [M, K] (row stride ldx) W^T * scale[n] + bias[n] (bias may be NULL). */
+void fp8_linear_body(float *out, const float *x, int64_t ldx, const uint8_t *w, const float *scale,
+                     const float *bias, int64_t M, int64_t N, int64_t K) {
+    fp8_streamed(out, x, ldx, w, K, scale, bias, M, N, K);
+}
+
 void fp8_linear(float *out, const float *x, int64_t ldx, const uint8_t *w, const float *scale,
                 const float *bias, int64_t M, int64_t N, int64_t K) {
-    const int nthreads = omp_get_max_threads();
-    fp8_streamed(out, x, ldx, w, K, scale, bias, M, N, K, nthreads);
+    #pragma omp parallel num_threads(omp_get_max_threads())
+    fp8_linear_body(out, x, ldx, w, scale, bias, M, N, K);
 }
 
 /* out [N, K] = W * scale[n]. */

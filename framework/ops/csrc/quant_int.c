@@ -12,6 +12,7 @@
 #include <omp.h>
 #include <math.h>
 #include "quant_tile.h"
+#include "plan.h"
 
 /* Row n of an int8 weight W [N, K] as floats (unscaled codes). */
 static void int8_row(float *dst, const void *weights, int64_t n, int64_t K) {
@@ -43,17 +44,27 @@ STREAMED_LINEAR(f32_streamed, f32_load8, f32_load1, 1)
 
 /* Weight-only int8: out [M, N] = x [M, K] (row stride ldx) W^T * scale[n] + bias[n], the codes
    converted in registers. */
+void int8_linear_body(float *out, const float *x, int64_t ldx, const int8_t *w, const float *scale,
+                      const float *bias, int64_t M, int64_t N, int64_t K) {
+    int8_streamed(out, x, ldx, w, K, scale, bias, M, N, K);
+}
+
 void int8_linear(float *out, const float *x, int64_t ldx, const int8_t *w, const float *scale,
                  const float *bias, int64_t M, int64_t N, int64_t K) {
-    const int nthreads = omp_get_max_threads();
-    int8_streamed(out, x, ldx, w, K, scale, bias, M, N, K, nthreads);
+    #pragma omp parallel num_threads(omp_get_max_threads())
+    int8_linear_body(out, x, ldx, w, scale, bias, M, N, K);
 }
 
 /* Float32 weights: out [M, N] = x [M, K] (row stride ldx) W^T + bias[n] (may be NULL). */
+void f32_linear_body(float *out, const float *x, int64_t ldx, const float *w, const float *bias,
+                     int64_t M, int64_t N, int64_t K) {
+    f32_streamed(out, x, ldx, w, K * (int64_t)sizeof(float), NULL, bias, M, N, K);
+}
+
 void f32_linear(float *out, const float *x, int64_t ldx, const float *w, const float *bias,
                 int64_t M, int64_t N, int64_t K) {
-    const int nthreads = omp_get_max_threads();
-    f32_streamed(out, x, ldx, w, K * (int64_t)sizeof(float), NULL, bias, M, N, K, nthreads);
+    #pragma omp parallel num_threads(omp_get_max_threads())
+    f32_linear_body(out, x, ldx, w, bias, M, N, K);
 }
 
 /* out [N, K] = W * scale[n]. */
@@ -77,12 +88,18 @@ static void int4_widen(float *dst, const void *weights, int64_t n, int64_t K) {
 
 /* Group-wise int4 (K a multiple of 32, group a multiple of 8 dividing K):
    out [M, N] = x [M, K] W^T + bias. */
+void int4_linear_body(float *out, const float *x, int64_t ldx, const uint8_t *w, const float *scale,
+                      const float *minv, const float *bias, int64_t M, int64_t N, int64_t K,
+                      int64_t group) {
+    const int4_weights weights = {w, scale, minv, group};
+    tiled_linear(out, x, ldx, int4_widen, &weights, NULL, bias, M, N, K);
+}
+
 void int4_linear(float *out, const float *x, int64_t ldx, const uint8_t *w, const float *scale,
                  const float *minv, const float *bias, int64_t M, int64_t N, int64_t K,
                  int64_t group) {
-    const int nthreads = omp_get_max_threads();
-    const int4_weights weights = {w, scale, minv, group};
-    tiled_linear(out, x, ldx, int4_widen, &weights, NULL, bias, M, N, K, nthreads);
+    #pragma omp parallel num_threads(omp_get_max_threads())
+    int4_linear_body(out, x, ldx, w, scale, minv, bias, M, N, K, group);
 }
 
 /* out [N, K] = the float weight of a group-wise int4 one. */
@@ -95,10 +112,9 @@ void int4_dequantize(float *out, const uint8_t *w, const float *scale, const flo
 
 /* Dynamic symmetric per-row int8: scale[m] = max|x[m]| / 127 (1 for a zero row),
    q[m, k] = round(x[m, k] / scale[m]) in [-127, 127]; row m at q + m * ldq, zero from K to ldq. */
-void quantize_rows_int8(int8_t *q, int64_t ldq, float *scale, const float *x, int64_t ldx,
-                        int64_t M, int64_t K) {
-    const int nthreads = omp_get_max_threads();
-    #pragma omp parallel for num_threads(nthreads) if (M * K >= 65536)
+void quantize_rows_int8_body(int8_t *q, int64_t ldq, float *scale, const float *x, int64_t ldx,
+                             int64_t M, int64_t K) {
+    #pragma omp for
     for (int64_t m = 0; m < M; ++m) {
         const float *xr = x + m * ldx;
         float amax = 0.f;
@@ -109,6 +125,12 @@ void quantize_rows_int8(int8_t *q, int64_t ldq, float *scale, const float *x, in
         for (int64_t k = 0; k < K; ++k) qr[k] = (int8_t)nearbyintf(xr[k] / s);
         for (int64_t k = K; k < ldq; ++k) qr[k] = 0;
     }
+}
+
+void quantize_rows_int8(int8_t *q, int64_t ldq, float *scale, const float *x, int64_t ldx,
+                        int64_t M, int64_t K) {
+    #pragma omp parallel num_threads(omp_get_max_threads()) if (M * K >= 65536)
+    quantize_rows_int8_body(q, ldq, scale, x, ldx, M, K);
 }
 
 /* W8A8 weights in panels (the layout `quant/int8.py` packs): panel p holds weight rows 16p ..
@@ -221,14 +243,15 @@ static void w8a8_offsets(int32_t offset[W8_NP * W8_PANEL], const int8_t *panels,
    W in panels (above), xq rows ldq = 4 * K4 bytes apart (offset by W8_OFFSET in place first).
    Threads take groups of W8_NP panels; each runs every row tile of the input over its group
    while the group sits in cache. */
-void w8a8_linear(float *out, int8_t *xq, const float *xscale, const int8_t *w,
-                 const float *wscale, const float *bias, int64_t M, int64_t N, int64_t K) {
-    const int nthreads = omp_get_max_threads();
+void w8a8_linear_body(float *out, int8_t *xq, const float *xscale, const int8_t *w,
+                      const float *wscale, const float *bias, int64_t M, int64_t N, int64_t K) {
     const int64_t K4 = (K + 3) / 4, ldq = 4 * K4, P = (N + W8_PANEL - 1) / W8_PANEL;
     const int64_t groups = (P + W8_NP - 1) / W8_NP;
-    if (W8_OFFSET)
+    if (W8_OFFSET) {
+        #pragma omp for
         for (int64_t i = 0; i < M * ldq; ++i) xq[i] = (int8_t)((uint8_t)xq[i] ^ 0x80);
-    #pragma omp parallel for num_threads(nthreads) schedule(static)
+    }
+    #pragma omp for schedule(static)
     for (int64_t g = 0; g < groups; ++g) {
         const int64_t p0 = g * W8_NP;
         const int np = (int)(P - p0 < W8_NP ? P - p0 : W8_NP);
@@ -247,4 +270,10 @@ void w8a8_linear(float *out, int8_t *xq, const float *xscale, const int8_t *w,
                 }
         }
     }
+}
+
+void w8a8_linear(float *out, int8_t *xq, const float *xscale, const int8_t *w,
+                 const float *wscale, const float *bias, int64_t M, int64_t N, int64_t K) {
+    #pragma omp parallel num_threads(omp_get_max_threads())
+    w8a8_linear_body(out, xq, xscale, w, wscale, bias, M, N, K);
 }

@@ -129,11 +129,11 @@ typedef void (*widen_row_fn)(float *dst, const void *weights, int64_t n, int64_t
    NULL), for weights no loader reads in registers (int4's groups): each thread widens NR weight
    rows at a time into a float buffer (a few KiB, in L1) and
    multiplies every input row by them, so each weight byte is read from memory and converted
-   once per call; threads split the output rows. Inlined, so `widen` is too. */
+   once per call; the threads of the enclosing team split the output rows. Inlined, so `widen`
+   is too. */
 static inline __attribute__((always_inline)) void
 tiled_linear(float *out, const float *x, int64_t ldx, widen_row_fn widen, const void *weights,
-             const float *scale, const float *bias, int64_t M, int64_t N, int64_t K, int nthreads) {
-    #pragma omp parallel num_threads(nthreads)
+             const float *scale, const float *bias, int64_t M, int64_t N, int64_t K) {
     {
         float *wb = malloc(sizeof(float) * NR * K);
         const void *rows[NR];
@@ -162,15 +162,15 @@ tiled_linear(float *out, const float *x, int64_t ldx, widen_row_fn widen, const 
    previous block ran): float32's 30 layers and head at one row, medians of 25 alternated runs,
    24.9 -> 21.4 and 22.2 -> 19.2 ms; the 30 layers at 2, 3 and 4 rows (a speculative
    verification), best of 5, 15.4 -> 10.6, 19.9 -> 13.4 and 24.7 -> 17.0 ms; int8's blocks are
-   four times smaller and it was 30 % slower so. A macro,
-   so the loaders are named inside the parallel region (whose body the compiler outlines) and
-   inlined, not called through a pointer. */
+   four times smaller and it was 30 % slower so. The threads of the enclosing team share the
+   blocks. A macro, so the loaders are named in the loop and inlined, not called through a
+   pointer. */
 #define STREAMED_LINEAR(name, load8, load1, spread)                                              \
     static void name(float *out, const float *x, int64_t ldx, const void *weights,              \
                      int64_t row_bytes, const float *scale, const float *bias, int64_t M,       \
-                     int64_t N, int64_t K, int nthreads) {                                       \
+                     int64_t N, int64_t K) {                                                     \
         const int sp = (spread) && M <= MR;                                                      \
-        _Pragma("omp parallel num_threads(nthreads)") {                                          \
+        {                                                                                        \
             int64_t expect = -1;                                                                 \
             _Pragma("omp for schedule(static)")                                                  \
             for (int64_t n0 = 0; n0 < N; n0 += NR) {                                             \
