@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import subprocess
 import threading
@@ -110,6 +111,18 @@ def test_killed_engine_process_fails_requests_cleanly(tiny_dir):
         engine.shutdown()
 
 
+def _wait_until_running(server: RemoteServer) -> None:
+    """Until the server's /metrics shows a running request (a fixed sleep let the tiny model
+    finish its 1,000 tokens before the kill)."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        text = httpx.get(server.url + "/metrics", timeout=5).text
+        if re.search(r"^tokenmill:num_requests_running\{[^}]*\} [1-9]", text, re.M):
+            return
+        time.sleep(0.005)
+    raise AssertionError("the request never ran")
+
+
 def test_server_runs_engine_in_child_and_survives_its_death(tiny_dir):
     server = RemoteServer("--model", tiny_dir, "--num-kv-blocks", "160", "--max-model-len", "1024")
     try:
@@ -120,7 +133,7 @@ def test_server_runs_engine_in_child_and_survives_its_death(tiny_dir):
             target=lambda: in_flight.update(response=server.post("/v1/completions", body))
         )
         request.start()
-        time.sleep(0.3)
+        _wait_until_running(server)
         os.kill(core_pid, signal.SIGKILL)
         killed = time.monotonic()
         health = httpx.get(server.url + "/health", timeout=5).status_code
