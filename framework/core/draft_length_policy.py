@@ -6,20 +6,29 @@ Adaptive (``SpeculativeConfig.adaptive_draft_length``), per step with ``n`` runn
   accepted when the positions before it were (new requests start from the engine-wide EWMA).
   The chance that draft ``j`` is accepted is the product over positions ``0..j``.
 - **Cost**, per batch-size bucket (1, 2, 3-4, 5-8, ...): an exponentially weighted least
-  squares fit of the engine core's measured step seconds on the draft tokens the step handled
-  (verified plus proposed), over decode-only steps: ``seconds = a + m * drafts``. ``a / n``
-  is what one token costs without drafts, ``2 m`` what one draft token costs (it is proposed in
-  one step and verified in the next), so draft position ``j`` pays while its acceptance chance
-  is at least ``theta = 2 m n / a``.
-- A request drafts the longest prefix of positions that pay (0: none); when all its drafts
-  were accepted, the estimate of the position after them moves toward the last one's (so the
-  length can grow back, and be measured there). A request at 0 drafts
-  one token again after 4 steps, then after 8, 16, ... up to 64 while those probes are
+  squares fit of the engine core's measured step seconds over decode-only steps,
+  ``seconds = a + b * [drafts > 0] + m * drafts``, where ``drafts`` are the draft tokens the
+  step handled (verified plus proposed). ``a / n`` is what one token costs without drafts;
+  ``2 m`` what one draft token costs (it is proposed in one step and verified in the next);
+  ``2 b`` what a step's drafts cost at all, however few: running the proposer, and on the CPU
+  a verification's extra rows can take a step off its decode graph onto eager kernels. Until
+  the fit has steps with and without drafts and drafting steps of several sizes, ``b`` is 0.
+- A request drafts the longest prefix of positions whose acceptance chance is at least
+  ``theta = 2 m n / a`` (0: none); when all its drafts were accepted, the estimate of the
+  position after them moves toward the last one's (so the length can grow back, and be
+  measured there). The step drafts only if the tokens its drafts are expected to add are worth
+  their cost, ``expected * a / n >= 2 b + 2 m * drafted``; else nothing. A request at 0
+  drafts one token again after 4 steps, then after 8, 16, ... up to 64 while those probes are
   rejected, so that drafts come back when they pay again. One step in ``PROBE_EVERY`` of a
   bucket drafts nothing, so that the fit sees steps without drafts.
 
-The batch-size cut-off follows: in a bucket where ``theta >= 1`` no draft pays, and nothing is
-drafted there but the probes. ``disable_by_batch_size``, given, still caps it.
+The batch-size cut-off follows: in a bucket where no draft would pay even if every one were
+accepted (``theta >= 1``, or ``num_speculative_tokens`` drafts per request not worth ``2 b``
+plus theirs), no request drafts, not even the one-token probes above (one request's probe
+would cost the whole batch ``2 b``). Every ``EXPLORE_EVERY``-th step of such a bucket each
+request drafts one token, so that the fit keeps measuring what drafts cost; between those
+steps the bucket keeps the last verdict its fit gave. ``disable_by_batch_size``, given, still
+caps it.
 
 Fixed: every request drafts ``num_speculative_tokens`` while fewer than
 ``disable_by_batch_size`` requests run (vLLM's behaviour).
@@ -28,6 +37,8 @@ Fixed: every request drafts ``num_speculative_tokens`` while fewer than
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+import numpy as np
 
 ACCEPTANCE_ALPHA = 0.3
 """Weight of a request's newest verification in its acceptance EWMA."""
@@ -42,10 +53,19 @@ COST_DECAY = 0.97
 MIN_FIT_WEIGHT = 6.0
 """Weighted step count a bucket's cost fit needs."""
 MIN_FIT_VARIANCE = 0.25
-"""Variance of the draft tokens per step a bucket's cost fit needs (it needs steps with few and
-many drafts)."""
+"""Variance of the draft tokens per step a fit needs (over all steps for ``a`` and ``m``, over
+the drafting steps to tell ``b`` from ``m``)."""
+MIN_KIND_WEIGHT = 1.0
+"""Weighted count of steps with, and of steps without, drafts a fit needs to estimate ``b``."""
 PROBE_EVERY = 16
 """One step in this many of a bucket drafts nothing."""
+EARLY_PROBES = (4, 8)
+"""Steps of a bucket that draft nothing too, so that its fit is ready early."""
+PROBE_SYNC = 16
+"""A request's one-token probe that does not pay for its step waits for a step with drafts
+that do, or for one in this many (so that the probes of several requests share a step)."""
+EXPLORE_EVERY = 64
+"""In a bucket where no draft pays, one step in this many drafts one token per request."""
 REPROBE_FIRST, REPROBE_MAX = 4, 64
 """Steps a request without drafts waits before drafting one token again, doubled after each
 rejected probe."""
@@ -56,37 +76,62 @@ def bucket_of(num_reqs: int) -> int:
     return max(num_reqs - 1, 0).bit_length()
 
 
+@dataclass(frozen=True)
+class StepCost:
+    """A bucket's fitted step seconds: ``a + b * [drafts > 0] + m * drafts``."""
+
+    a: float
+    b: float
+    m: float
+
+    def theta(self, num_reqs: int) -> float:
+        """The acceptance chance at which one more draft token pays: ``2 m n / a``."""
+        return 2 * self.m * num_reqs / self.a
+
+    def pays(self, num_reqs: int, expected: float, drafted: int) -> bool:
+        """Whether ``drafted`` draft tokens expected to add ``expected`` tokens are worth
+        their time."""
+        return expected * self.a / num_reqs >= 2 * self.b + 2 * self.m * drafted
+
+
 @dataclass
 class StepCostFit:
-    """Exponentially weighted least squares of step seconds ``t`` on draft tokens ``x``."""
+    """Exponentially weighted least squares of step seconds ``t`` on ``[1, x > 0, x]`` for
+    ``x`` draft tokens."""
 
     w: float = 0.0
-    sx: float = 0.0
-    sxx: float = 0.0
-    st: float = 0.0
-    sxt: float = 0.0
+    ff: np.ndarray = field(default_factory=lambda: np.zeros((3, 3)))
+    ft: np.ndarray = field(default_factory=lambda: np.zeros(3))
 
     def add(self, x: float, t: float) -> None:
-        d = COST_DECAY
-        self.w = self.w * d + 1
-        self.sx = self.sx * d + x
-        self.sxx = self.sxx * d + x * x
-        self.st = self.st * d + t
-        self.sxt = self.sxt * d + x * t
+        f = np.array([1.0, float(x > 0), float(x)])
+        self.w = self.w * COST_DECAY + 1
+        self.ff = self.ff * COST_DECAY + np.outer(f, f)
+        self.ft = self.ft * COST_DECAY + f * t
 
-    def theta(self, num_reqs: int) -> float | None:
-        """The break-even acceptance ``2 m n / a``; None until the fit is ready."""
-        if self.w < MIN_FIT_WEIGHT:
+    def cost(self) -> StepCost | None:
+        """The fitted cost, ``b`` 0 while the steps cannot tell it from ``m``; None until
+        the fit is ready."""
+        w, ff, ft = self.w, self.ff, self.ft
+        if w < MIN_FIT_WEIGHT:
             return None
-        mx, mt = self.sx / self.w, self.st / self.w
-        var = self.sxx / self.w - mx * mx
-        if var < MIN_FIT_VARIANCE:
+        mx = ff[0, 2] / w
+        if ff[2, 2] / w - mx * mx < MIN_FIT_VARIANCE:
             return None
-        m = (self.sxt / self.w - mx * mt) / var
-        a = mt - m * mx
+        drafting = ff[1, 1]
+        separable = (
+            drafting >= MIN_KIND_WEIGHT
+            and w - drafting >= MIN_KIND_WEIGHT
+            and ff[2, 2] / drafting - (ff[1, 2] / drafting) ** 2 >= MIN_FIT_VARIANCE
+        )
+        if separable:
+            a, b, m = np.linalg.solve(ff, ft)
+        else:
+            m = (ft[2] / w - mx * ft[0] / w) / (ff[2, 2] / w - mx * mx)
+            a, b = ft[0] / w - m * mx, 0.0
         if a <= 0:
             return None
-        return max(2 * m * num_reqs / a, 0.0)
+        return StepCost(float(a), max(float(b), 0.0), max(float(m), 0.0))
 
 
 @dataclass
@@ -114,6 +159,7 @@ class DraftLengthPolicy:
     length_counts: list[int] = field(default_factory=list)
     prior: list[float] = field(default_factory=list)
     fits: dict[int, StepCostFit] = field(default_factory=dict)
+    costs: dict[int, StepCost] = field(default_factory=dict)
     steps: dict[int, int] = field(default_factory=dict)
     requests: dict[str, _Request] = field(default_factory=dict)
 
@@ -130,37 +176,78 @@ class DraftLengthPolicy:
             self.length_counts[length] += len(req_ids)
             return {r: length for r in req_ids} if length else {}
         bucket = bucket_of(num_running)
-        self.steps[bucket] = self.steps.get(bucket, 0) + 1
-        probe = self.steps[bucket] % PROBE_EVERY == 0
-        fit = self.fits.get(bucket)
-        theta = fit.theta(num_running) if fit is not None else None
-        theta = PRIOR_THETA if theta is None else theta
-        out = {}
-        for req_id in req_ids:
-            length = 0 if probe else self._length(req_id, theta)
+        step = self.steps[bucket] = self.steps.get(bucket, 0) + 1
+        cost = self._cost(bucket)
+        out: dict[str, int] = {}
+        if (
+            step % PROBE_EVERY
+            and step not in EARLY_PROBES
+            and (cost is None or self._can_pay(cost, num_running))
+        ):
+            out = self._drafts(req_ids, num_running, cost, step)
+        if not out and cost is not None and step % EXPLORE_EVERY == 1:
+            out = dict.fromkeys(req_ids, 1)
+        self.length_counts[0] += len(req_ids) - len(out)
+        for length in out.values():
             self.length_counts[length] += 1
-            if length:
-                out[req_id] = length
         return out
 
-    def _length(self, req_id: str, theta: float) -> int:
-        req = self.requests.get(req_id)
-        if req is None:
-            req = self.requests[req_id] = _Request(list(self.prior))
-        length, chance = 0, 1.0
-        for p in req.accept:
-            chance *= p
-            if chance < theta:
-                break
-            length += 1
-        if length:
-            req.idle, req.reprobe_after = 0, REPROBE_FIRST
-            return length
-        req.idle += 1
-        if req.idle < req.reprobe_after:
-            return 0
-        req.idle, req.probing = 0, True
-        return 1
+    def _drafts(
+        self, req_ids: list[str], num_running: int, cost: StepCost | None, step: int
+    ) -> dict[str, int]:
+        """Each request's longest paying run of drafts, none if together they do not pay for
+        the step; the one-token probes due, if they pay or other drafts do, else every
+        ``PROBE_SYNC``-th step."""
+        theta = PRIOR_THETA if cost is None else cost.theta(num_running)
+        out: dict[str, int] = {}
+        expected = 0.0
+        for req_id in req_ids:
+            req = self.requests.get(req_id)
+            if req is None:
+                req = self.requests[req_id] = _Request(list(self.prior))
+            chance = 1.0
+            for p in req.accept:
+                chance *= p
+                if chance < theta:
+                    break
+                out[req_id] = out.get(req_id, 0) + 1
+                expected += chance
+        if cost is not None and out and not cost.pays(num_running, expected, sum(out.values())):
+            out = {}
+        due = []
+        for req_id in req_ids:
+            req = self.requests[req_id]
+            if req_id in out:
+                req.idle, req.reprobe_after = 0, REPROBE_FIRST
+                continue
+            req.idle += 1
+            if req.idle >= req.reprobe_after:
+                due.append(req_id)
+        probes_pay = cost is None or cost.pays(
+            num_running, sum(self.requests[r].accept[0] for r in due), len(due)
+        )
+        if due and (out or probes_pay or step % PROBE_SYNC == PROBE_SYNC // 2):
+            for req_id in due:
+                req = self.requests[req_id]
+                req.idle, req.probing = 0, True
+                out[req_id] = 1
+        return out
+
+    def _cost(self, bucket: int) -> StepCost | None:
+        """The bucket's fitted cost, else the last one its fit gave (a bucket that stopped
+        drafting stops feeding its fit), else None."""
+        fit = self.fits.get(bucket)
+        cost = fit.cost() if fit is not None else None
+        if cost is None:
+            return self.costs.get(bucket)
+        self.costs[bucket] = cost
+        return cost
+
+    def _can_pay(self, cost: StepCost, num_reqs: int) -> bool:
+        """Whether any draft could pay at ``num_reqs`` requests: all of them drafting
+        ``max_length`` tokens, every one accepted."""
+        drafted = num_reqs * self.max_length
+        return cost.theta(num_reqs) < 1 and cost.pays(num_reqs, drafted, drafted)
 
     def observe_acceptance(self, req_id: str, num_drafts: int, num_accepted: int) -> None:
         """A verification of ``num_drafts`` drafts of which the first ``num_accepted`` held."""
@@ -175,7 +262,9 @@ class DraftLengthPolicy:
             req.accept[num_drafts] += ACCEPTANCE_ALPHA * max(gap, 0.0)
         if req is not None and req.probing:
             req.probing = False
-            req.reprobe_after = REPROBE_FIRST if num_accepted else min(2 * req.reprobe_after, REPROBE_MAX)
+            req.reprobe_after = (
+                REPROBE_FIRST if num_accepted else min(2 * req.reprobe_after, REPROBE_MAX)
+            )
 
     def observe_step(self, num_reqs: int, num_draft_tokens: int, seconds: float) -> None:
         """A decode-only step of ``num_reqs`` requests that verified and proposed
@@ -187,13 +276,13 @@ class DraftLengthPolicy:
         self.requests.pop(req_id, None)
 
     def cutoff(self) -> int:
-        """The smallest batch size from which no draft pays (the fits' ``theta >= 1``, or
+        """The smallest batch size from which no draft pays (by the fits, or
         ``disable_by_batch_size``), 0 when none is known."""
         sizes = [self.disable_by_batch_size] if self.disable_by_batch_size else []
-        for bucket, fit in self.fits.items():
+        for bucket in self.fits:
             low = 1 if bucket == 0 else (1 << (bucket - 1)) + 1
-            theta = fit.theta(low)
-            if theta is not None and theta >= 1:
+            cost = self._cost(bucket)
+            if cost is not None and not self._can_pay(cost, low):
                 sizes.append(low)
         return min(sizes, default=0)
 

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from tokenmill.core.draft_length_policy import PROBE_EVERY, REPROBE_MAX, DraftLengthPolicy, bucket_of
+from tokenmill.core.draft_length_policy import (
+    EARLY_PROBES,
+    EXPLORE_EVERY,
+    PROBE_EVERY,
+    REPROBE_MAX,
+    DraftLengthPolicy,
+    StepCostFit,
+    bucket_of,
+)
 from tokenmill.entrypoints.openai.metrics import EngineStatsCollector
 
 
@@ -35,7 +43,8 @@ def test_rejected_drafts_drive_the_length_to_zero_and_accepted_ones_back_up():
 def test_high_acceptance_keeps_the_length_up_except_the_probe_steps():
     policy = DraftLengthPolicy(max_length=3, adaptive=True)
     chosen = _run(policy, 1.0, 10 * PROBE_EVERY)
-    assert chosen.count(3) == len(chosen) - 10 and chosen.count(0) == 10
+    probes = 10 + len(EARLY_PROBES)
+    assert chosen.count(3) == len(chosen) - probes and chosen.count(0) == probes
 
 
 def test_drafts_that_cost_more_than_they_earn_stop_at_that_batch_size():
@@ -55,6 +64,44 @@ def test_drafts_that_cost_more_than_they_earn_stop_at_that_batch_size():
     assert sum(policy.lengths(reqs, 8).values()) <= 1
     assert policy.cutoff() == 5 == policy.as_dict()["spec_disable_by_batch_size"]  # bucket 5..8
     assert bucket_of(1) == 0 and bucket_of(2) == 1 and bucket_of(4) == 2 and bucket_of(5) == 3
+
+
+def test_where_no_draft_pays_requests_do_not_probe_and_the_bucket_explores_rarely():
+    """Four requests at a time, each replaced after 48 steps (staggered), whose drafts are half
+    accepted; a step costs 1, or 2 + 0.05 per draft token as soon as it has any (on the CPU
+    one draft can move a step off its decode graph). Once the fit shows that, no request
+    drafts, not even the one-token probes of new requests, except all of them one token on
+    every EXPLORE_EVERY-th step, and the fit keeps its verdict in between."""
+    policy = DraftLengthPolicy(max_length=3, adaptive=True)
+    verified: dict[str, int] = {}
+    drafting_steps = []
+    reqs: list[str] = []
+    for step in range(12 * EXPLORE_EVERY):
+        previous, reqs = reqs, [f"{i}-{(step + 12 * i) // 48}" for i in range(4)]
+        for r in set(previous) - set(reqs):
+            policy.finish(r)
+        lengths = policy.lengths(reqs, 4)
+        for r, k in verified.items():
+            policy.observe_acceptance(r, k, k // 2)
+        drafts = sum(verified.values()) + sum(lengths.values())
+        policy.observe_step(4, drafts, 2 + 0.05 * drafts if drafts else 1.0)
+        verified = lengths
+        if lengths:
+            drafting_steps.append(step)
+    late = [s for s in drafting_steps if s >= 4 * EXPLORE_EVERY]
+    assert late == [s for s in range(4 * EXPLORE_EVERY, 12 * EXPLORE_EVERY) if s % EXPLORE_EVERY == 0]
+    assert policy.cutoff() == 3
+
+
+def test_the_cost_fit_tells_the_jump_of_a_drafting_step_from_the_cost_per_draft():
+    fit = StepCostFit()
+    for x in [0, 0, 2, 5, 9, 0, 3, 12, 0, 6] * 3:
+        fit.add(x, 0.010 + (0.005 if x else 0.0) + 0.0005 * x)
+    cost = fit.cost()
+    assert cost is not None
+    assert (round(cost.a, 6), round(cost.b, 6), round(cost.m, 6)) == (0.01, 0.005, 0.0005)
+    # four requests, three drafts expected to add 1.5 tokens: 1.5 * 0.01 / 4 < 2 * (0.005 + 3 * 0.0005)
+    assert not cost.pays(4, 1.5, 3) and cost.pays(1, 1.5, 3)
 
 
 def test_fixed_lengths_and_the_configured_cutoff():

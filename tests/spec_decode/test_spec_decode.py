@@ -72,7 +72,8 @@ def test_greedy_equals_non_speculative(tiny, prompts, reference, engine, method,
 def test_self_draft_accepts_everything_k_plus_one_per_step(tiny):
     """Draft = target: acceptance 1.0 and k + 1 tokens per verification step."""
     llm = LLM(model=tiny["target"], num_kv_blocks=64, max_model_len=256,
-              speculative_config={"model": tiny["target"], "num_speculative_tokens": 4, "disable_by_batch_size": 0})
+              speculative_config={"model": tiny["target"], "num_speculative_tokens": 4, "disable_by_batch_size": 0,
+                                  "adaptive_draft_length": False})
     params = SamplingParams(temperature=0, max_tokens=1 + 5 * 8, ignore_eos=True)
     generate(llm, [{"prompt_token_ids": [1, 2, 3]}], params)
     stats = llm.get_stats()
@@ -137,7 +138,8 @@ def test_stop_token_inside_accepted_run_ends_there(tiny, prompts, reference):
     stop = target[10]
     first = target.index(stop)
     llm = LLM(model=tiny["target"], num_kv_blocks=64, max_model_len=256,
-              speculative_config={"model": tiny["target"], "num_speculative_tokens": 4, "disable_by_batch_size": 0})
+              speculative_config={"model": tiny["target"], "num_speculative_tokens": 4, "disable_by_batch_size": 0,
+                                  "adaptive_draft_length": False})
     params = SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[stop])
     out = llm.generate(prompts[:1], params, use_tqdm=False)[0].outputs[0]
     assert out.token_ids == target[: first + 1]
