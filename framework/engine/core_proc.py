@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -182,11 +183,29 @@ class EngineCoreProc:
         except RuntimeError as e:
             failed = self.engine_core.abort_all_requests()
             error = f"the data-parallel engine cores whose experts span them lost one: {e}"
+            dead = self._dead_expert_ranks()
+            if dead:
+                names = ", ".join(f"expert-parallel rank {rank} (pid {pid})" for rank, pid in dead)
+                error = f"{names} died; {error}"
             outputs = EngineCoreOutputs(error=error, failed_req_ids=failed)
             self.output.send_multipart([OUTPUTS, encoder.encode(outputs)])
             raise
         busy, stopped = flags.tolist()
         return busy, stopped
+
+    def _dead_expert_ranks(self) -> list[tuple[int, int]]:
+        """The expert-parallel ranks whose process is gone, as this core's workers see them
+        (a few tries: the dead rank's process may still be exiting); none if they cannot
+        say."""
+        for _ in range(10):
+            try:
+                dead = self.engine_core.executor.dead_expert_parallel_ranks()
+            except Exception:
+                return []
+            if dead:
+                return dead
+            time.sleep(0.1)
+        return []
 
     def _dummy_step(self) -> None:
         """``EngineCore.execute_dummy_batch``; when the executor dies, report why before

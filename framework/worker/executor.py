@@ -83,6 +83,12 @@ class Executor:
         cores' MoE collectives (experts spanning the cores only)."""
         raise NotImplementedError
 
+    def dead_expert_parallel_ranks(self) -> list[tuple[int, int]]:
+        """``(expert-parallel rank, pid)`` of the ranks of any engine core whose process has
+        exited (experts spanning the cores only): what a core blames a broken step agreement
+        on."""
+        raise NotImplementedError
+
     @property
     def max_concurrent_batches(self) -> int:
         """How many steps the engine core may keep in flight (``non_block``): the pipeline
@@ -181,6 +187,9 @@ class DistributedExecutor(Executor):
 
     def execute_dummy_batch(self) -> None:
         self._call_all("execute_dummy_batch")
+
+    def dead_expert_parallel_ranks(self) -> list[tuple[int, int]]:
+        return self._call("dead_expert_parallel_ranks")
 
     @property
     def max_concurrent_batches(self) -> int:

@@ -121,6 +121,10 @@ class Worker:
         with _blame_dead_expert_ranks():
             self.model_runner.execute_dummy_batch()
 
+    def dead_expert_parallel_ranks(self) -> list[tuple[int, int]]:
+        """``parallel_state.dead_expert_parallel_ranks``, asked by this rank's engine core."""
+        return dead_expert_parallel_ranks()
+
     def step_intervals(self) -> list[tuple[float, float]]:
         """When this rank was busy with its latest steps (``ModelRunner.step_intervals``)."""
         return list(self.model_runner.step_intervals)

@@ -8,12 +8,14 @@ import os
 import signal
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import zmq
+from prometheus_client import CollectorRegistry
 
 from conftest import save_byte_tokenizer
 from support.deepseek_checkpoints import save_deepseek
@@ -21,6 +23,7 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.config import EngineConfig
 from tokenmill.config_resolver import resolve_config
 from tokenmill.distributed.device_communicator import ALL2ALL_BACKENDS, DeviceCommunicator
+from tokenmill.distributed import parallel_state
 from tokenmill.distributed.parallel_state import (
     destroy_distributed_environment,
     init_distributed_environment,
@@ -29,6 +32,7 @@ from tokenmill.engine.async_llm import AsyncLLM
 from tokenmill.engine.core_proc import SHUTDOWN, EngineCoreProc, encoder
 from tokenmill.engine.engine_core import EngineCoreOutputs
 from tokenmill.engine.output_processor import RequestOutputKind
+from tokenmill.entrypoints.openai.metrics import EngineStatsCollector
 from tokenmill.worker.multiproc_executor import get_open_port
 from worker.test_distributed import (
     ROUND_PARAMS,
@@ -164,6 +168,45 @@ def test_cores_meet_every_moe_collective_with_dummy_steps_and_stop_together(tmp_
     assert torch.load(f"{out}.1") == (5, 5)
 
 
+class _Frames:
+    def __init__(self) -> None:
+        self.frames: list[bytes] = []
+
+    def send_multipart(self, frames: list[bytes]) -> None:
+        self.frames += frames
+
+
+def _core_beside_a_dead_one(core_index: int, port: int, out: str) -> None:
+    """Core 1 leaves at once (its expert-parallel rank dies); core 0, with requests, finds
+    the step agreement broken and reports to the front end."""
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=core_index, world_size=2,
+        timeout=timedelta(seconds=20),
+    )
+    pids = torch.zeros(2, dtype=torch.int64)
+    pids[core_index] = os.getpid()
+    dist.all_reduce(pids)
+    if core_index == 1:
+        os._exit(0)
+    parallel_state._EP_PIDS = pids.tolist()
+    core = _ScriptedCore([True] * 3)
+    core.executor = parallel_state  # type: ignore[attr-defined]  # its dead_expert_parallel_ranks
+    output = _Frames()
+    with pytest.raises(RuntimeError):
+        EngineCoreProc(core, _Input(core), output, None, dist.group.WORLD).run_busy_loop()  # type: ignore[arg-type]
+    Path(out).write_bytes(b"".join(output.frames))
+
+
+def test_a_core_that_loses_another_names_the_dead_expert_rank(tmp_path):
+    """The step agreement breaks before any MoE collective does (core 0's workers are idle):
+    core 0 fails its requests naming the expert-parallel rank whose process is gone, as a
+    broken collective does (in CI the message named no rank)."""
+    out = tmp_path / "outputs"
+    mp.spawn(_core_beside_a_dead_one, args=(get_open_port(), str(out)), nprocs=2)
+    sent = out.read_bytes()
+    assert b"expert-parallel rank 1 (pid " in sent and b"died; the data-parallel engine cores" in sent, sent
+
+
 def test_settings_experts_across_data_parallel_cores_cannot_honour_are_refused(tmp_path):
     path = save_deepseek(tmp_path / "m", "v3", n_routed_experts=6, n_group=2, topk_group=1)[0]
     with pytest.raises(ValueError, match=r"6 routed experts are not divisible by the expert-parallel size 4 \(tensor_parallel_size=2 x data_parallel_size=2\)"):
@@ -214,6 +257,15 @@ def test_dp2_ep2_deepseek_v3_matches_one_process_then_an_expert_rank_is_killed(t
             assert await run_rounds_async(engine) == expected
             per_core = engine.engine_core.get_engine_stats()
             assert per_core[1]["num_dummy_steps"] > 0, per_core
+            registry = CollectorRegistry()
+            registry.register(
+                EngineStatsCollector(engine.engine_core.get_stats, engine.engine_core.get_engine_stats, "m", "vllm")
+            )
+            dummy = [
+                registry.get_sample_value("tokenmill:num_dummy_steps_total", {"engine": str(i), "model_name": "m"})
+                for i in range(2)
+            ]
+            assert dummy[1] is not None and dummy[1] >= per_core[1]["num_dummy_steps"] > 0, dummy
             assert all(s["num_requests_routed"] > len(ROUND_PROMPTS) // 4 for s in per_core[1:]), per_core
             assert sum(s["num_preemptions"] for s in per_core) > 0
             assert sum(s["prefix_cache_hit_tokens"] for s in per_core) > 0

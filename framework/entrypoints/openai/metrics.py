@@ -107,6 +107,7 @@ NO_VLLM_COUNTERPART = frozenset(
         "kv_blocks_total",
         "kv_blocks_free",
         "num_requests_routed",
+        "num_dummy_steps",
         "kv_transfer_recomputed",
         "spec_decode_num_drafts_per_length",
         "spec_decode_disable_by_batch_size",
@@ -163,6 +164,11 @@ ENGINE_COUNTERS = {
     "num_requests_routed": (
         "num_requests_routed",
         "Requests the front end routed to the engine core (data parallelism).",
+    ),
+    "num_dummy_steps": (
+        "num_dummy_steps",
+        "Steps the engine core ran without requests of its own, to meet the other cores in "
+        "the MoE layers (data parallelism with enable_expert_parallel).",
     ),
 }
 """get_stats() key -> (metric name after the prefix, help); exported as ``..._total``."""
