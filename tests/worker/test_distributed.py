@@ -201,6 +201,20 @@ def run_rounds(llm: LLM) -> tuple[list[list[int]], dict[str, int]]:
     return tokens, llm.get_stats()
 
 
+async def kill_mid_stream(engine: AsyncLLM, pid: int, error: str) -> None:
+    """Start a 100-token request and kill ``pid`` once its first token is out: the stream
+    fails with ``error`` (a regex) within 5 seconds."""
+    params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    stream = await engine.add_request({"prompt_token_ids": [1, 2, 3]}, params)
+    await stream.__anext__()
+    os.kill(pid, signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=error):
+        async for _ in stream:
+            pass
+    assert time.monotonic() - start < 5
+
+
 async def run_rounds_async(engine: AsyncLLM) -> list[list[int]]:
     """``run_rounds`` through ``AsyncLLM``."""
 
@@ -264,15 +278,7 @@ def test_tp2_llama_behind_the_engine_process_then_a_worker_is_killed(tiny_models
             core_pid = engine.engine_core.pid
             workers = worker_processes(core_pid)
             assert len(workers) == 2
-            params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
-            stream = await engine.add_request({"prompt_token_ids": [1, 2, 3]}, params)
-            await stream.__anext__()
-            os.kill(max(workers), signal.SIGKILL)
-            start = time.monotonic()
-            with pytest.raises(RuntimeError, match=r"tensor-parallel worker rank \d \(pid \d+\) was killed by signal 9"):
-                async for _ in stream:
-                    pass
-            assert time.monotonic() - start < 5
+            await kill_mid_stream(engine, max(workers), r"tensor-parallel worker rank \d \(pid \d+\) was killed by signal 9")
             deadline = time.monotonic() + 5
             while engine.is_running() or any(alive(p) for p in workers + [core_pid]):
                 assert time.monotonic() < deadline, "engine or workers still alive"
@@ -336,16 +342,8 @@ def test_data_parallel_cores_as_ray_actors_then_one_is_killed(tiny_models, monke
             assert await run_rounds_async(engine) == expected
             assert all(s["num_requests_routed"] > 0 for s in engine.engine_core.get_engine_stats())
             assert ray.available_resources().get("CPU", 0) == 0
-            params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
-            stream = await engine.add_request({"prompt_token_ids": [1, 2, 3]}, params)
-            await stream.__anext__()
             # Both cores are idle, so the request went to the lowest rank.
-            os.kill(engine.engine_core.cores[0].pid, signal.SIGKILL)
-            start = time.monotonic()
-            with pytest.raises(RuntimeError, match=r"Ray actor of data-parallel rank 0, pid \d+\) died"):
-                async for _ in stream:
-                    pass
-            assert time.monotonic() - start < 5
+            await kill_mid_stream(engine, engine.engine_core.cores[0].pid, r"Ray actor of data-parallel rank 0, pid \d+\) died")
         finally:
             engine.shutdown()
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -35,6 +34,7 @@ from tokenmill.engine.output_processor import RequestOutputKind
 from tokenmill.entrypoints.openai.metrics import EngineStatsCollector
 from tokenmill.worker.multiproc_executor import get_open_port
 from worker.test_distributed import (
+    kill_mid_stream,
     ROUND_PARAMS,
     ROUND_PROMPTS,
     SMALL_CACHE,
@@ -271,15 +271,7 @@ def test_dp2_ep2_deepseek_v3_matches_one_process_then_an_expert_rank_is_killed(t
             assert sum(s["prefix_cache_hit_tokens"] for s in per_core) > 0
             assert all(s["kv_blocks_free"] == s["kv_blocks_total"] for s in per_core), per_core
 
-            params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
-            stream = await engine.add_request({"prompt_token_ids": [1, 2, 3]}, params)
-            await stream.__anext__()
-            os.kill(workers[1][0], signal.SIGKILL)
-            start = time.monotonic()
-            with pytest.raises(RuntimeError, match=r"expert-parallel rank 1 .*(was killed by signal 9|died)"):
-                async for _ in stream:
-                    pass
-            assert time.monotonic() - start < 5
+            await kill_mid_stream(engine, workers[1][0], r"expert-parallel rank 1 .*(was killed by signal 9|died)")
         finally:
             engine.shutdown()
         pids = [core.pid for core in cores] + [p for w in workers for p in w]

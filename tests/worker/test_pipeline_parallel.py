@@ -35,6 +35,7 @@ from tokenmill.layers.fused_moe import FusedMoE
 from tokenmill.testing.checkpoints import random_prompts, save_tiny_checkpoint
 from tokenmill.worker.multiproc_executor import get_open_port
 from worker.test_distributed import (
+    kill_mid_stream,
     SMALL_CACHE,
     alive,
     generate,
@@ -158,15 +159,7 @@ def test_pp2_behind_the_engine_process_then_a_stage_is_killed(tiny_models):
             core_pid = engine.engine_core.pid
             workers = worker_processes(core_pid)
             assert len(workers) == 2
-            params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
-            stream = await engine.add_request({"prompt_token_ids": [1, 2, 3]}, params)
-            await stream.__anext__()
-            os.kill(max(workers), signal.SIGKILL)
-            start = time.monotonic()
-            with pytest.raises(RuntimeError, match=r"worker rank 1 \(pipeline stage 1, tensor-parallel rank 0\) \(pid \d+\) was killed by signal 9"):
-                async for _ in stream:
-                    pass
-            assert time.monotonic() - start < 5
+            await kill_mid_stream(engine, max(workers), r"worker rank 1 \(pipeline stage 1, tensor-parallel rank 0\) \(pid \d+\) was killed by signal 9")
             deadline = time.monotonic() + 5
             while engine.is_running() or any(alive(p) for p in workers + [core_pid]):
                 assert time.monotonic() < deadline, "engine or workers still alive"
