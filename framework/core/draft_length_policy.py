@@ -205,13 +205,15 @@ class DraftLengthPolicy:
             req = self.requests.get(req_id)
             if req is None:
                 req = self.requests[req_id] = _Request(list(self.prior))
-            chance = 1.0
+            length, chance = 0, 1.0
             for p in req.accept:
                 chance *= p
                 if chance < theta:
                     break
-                out[req_id] = out.get(req_id, 0) + 1
+                length += 1
                 expected += chance
+            if length:
+                out[req_id] = length
         if cost is not None and out and not cost.pays(num_running, expected, sum(out.values())):
             out = {}
         due = []
@@ -223,10 +225,12 @@ class DraftLengthPolicy:
             req.idle += 1
             if req.idle >= req.reprobe_after:
                 due.append(req_id)
-        probes_pay = cost is None or cost.pays(
-            num_running, sum(self.requests[r].accept[0] for r in due), len(due)
-        )
-        if due and (out or probes_pay or step % PROBE_SYNC == PROBE_SYNC // 2):
+        if due and (
+            out
+            or step % PROBE_SYNC == PROBE_SYNC // 2
+            or cost is None
+            or cost.pays(num_running, sum(self.requests[r].accept[0] for r in due), len(due))
+        ):
             for req_id in due:
                 req = self.requests[req_id]
                 req.idle, req.probing = 0, True
