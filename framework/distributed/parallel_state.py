@@ -146,6 +146,11 @@ def dead_expert_parallel_ranks() -> list[tuple[int, int]]:
     return [(rank, pid) for rank, pid in enumerate(_EP_PIDS) if not _process_running(pid)]
 
 
+def expert_rank_names(dead: list[tuple[int, int]]) -> str:
+    """How errors name the dead ranks of :func:`dead_expert_parallel_ranks`."""
+    return ", ".join(f"expert-parallel rank {rank} (pid {pid})" for rank, pid in dead)
+
+
 def _process_running(pid: int) -> bool:
     """Whether ``pid`` runs (not exited, not a zombie awaiting its parent)."""
     try:

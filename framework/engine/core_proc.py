@@ -23,7 +23,7 @@ import zmq
 
 from tokenmill import plugins
 from tokenmill.config import EngineConfig
-from tokenmill.distributed.parallel_state import INIT_TIMEOUT
+from tokenmill.distributed.parallel_state import INIT_TIMEOUT, expert_rank_names
 from tokenmill.core.request import RequestStatus
 from tokenmill.engine.engine_core import EngineCore, EngineCoreOutputs
 from tokenmill.engine.input_processor import EngineCoreRequest
@@ -185,8 +185,7 @@ class EngineCoreProc:
             error = f"the data-parallel engine cores whose experts span them lost one: {e}"
             dead = self._dead_expert_ranks()
             if dead:
-                names = ", ".join(f"expert-parallel rank {rank} (pid {pid})" for rank, pid in dead)
-                error = f"{names} died; {error}"
+                error = f"{expert_rank_names(dead)} died; {error}"
             outputs = EngineCoreOutputs(error=error, failed_req_ids=failed)
             self.output.send_multipart([OUTPUTS, encoder.encode(outputs)])
             raise

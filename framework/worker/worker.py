@@ -16,6 +16,7 @@ from tokenmill.core.scheduler_output import SchedulerOutput
 from tokenmill.distributed.parallel_state import (
     dead_expert_parallel_ranks,
     destroy_distributed_environment,
+    expert_rank_names,
     init_distributed_environment,
 )
 from tokenmill.interfaces.kv_cache_spec import KVCacheSpec
@@ -145,5 +146,4 @@ def _blame_dead_expert_ranks() -> Iterator[None]:
         dead = dead_expert_parallel_ranks()
         if not dead:
             raise
-        names = ", ".join(f"expert-parallel rank {rank} (pid {pid})" for rank, pid in dead)
-        raise RuntimeError(f"{names} died: {type(e).__name__}: {e}") from e
+        raise RuntimeError(f"{expert_rank_names(dead)} died: {type(e).__name__}: {e}") from e
