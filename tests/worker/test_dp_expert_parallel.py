@@ -195,6 +195,7 @@ def _core_beside_a_dead_one(core_index: int, port: int, out: str) -> None:
     with pytest.raises(RuntimeError):
         EngineCoreProc(core, _Input(core), output, None, dist.group.WORLD).run_busy_loop()  # type: ignore[arg-type]
     Path(out).write_bytes(b"".join(output.frames))
+    dist.destroy_process_group()
 
 
 def test_a_core_that_loses_another_names_the_dead_expert_rank(tmp_path):
