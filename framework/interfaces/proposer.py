@@ -153,9 +153,10 @@ class Proposer(ABC):
 
     every_step: bool = False
     """How the proposer's cache keeps up over steps that do not speculate
-    (``disable_by_batch_size``). True: ``propose`` is called after those steps too, with no
-    requests to draft for, to fill its cache from what only that step has (a head reading the
-    target's hidden states). False: it is not called; ``TargetStep.cache_start_positions``
+    (``disable_by_batch_size``, or no request given a draft length). True: ``propose`` is
+    called after those steps too, with no requests to draft for, to fill its cache from what
+    only that step has (a head reading the target's hidden states), or to keep that for later
+    (a head may fill its cache when it next drafts, or in ``release``). False: it is not called; ``TargetStep.cache_start_positions``
     hands it the positions those steps computed when it next runs, to catch up from their token
     ids (a draft model, for which one pass over the missed tokens costs less than one per step).
     """
@@ -180,3 +181,14 @@ class Proposer(ABC):
 
     @abstractmethod
     def propose(self, batch: ProposalBatch) -> Proposal: ...
+
+    def release(  # noqa: B027 (optional)
+        self,
+        rows: np.ndarray,
+        input_batch: TokenView,
+        prepare: Callable[[np.ndarray, np.ndarray, np.ndarray], FlatInputs],
+    ) -> None:
+        """``rows``' requests leave the batch (finished or preempted); their arrays and block
+        tables are still theirs, and are reused after this returns. A proposer that deferred
+        writing its cache for them (see ``every_step``) writes it now: their blocks may serve
+        another request's prefix-cache hit. ``prepare`` is ``TargetStep.prepare``."""

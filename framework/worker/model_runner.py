@@ -221,6 +221,14 @@ class ModelRunner:
     def _update_states(self, out: SchedulerOutput) -> None:
         batch = self.batch
         assert batch is not None
+        if self.proposer is not None:
+            leaving = [
+                batch.requests[r].row
+                for r in (*out.finished_req_ids, *out.preempted_req_ids)
+                if r in batch.requests
+            ]
+            if leaving:
+                self.proposer.release(np.array(leaving, dtype=np.int64), batch, self.prepare_flat_inputs)
         for req_id in out.finished_req_ids:
             batch.remove(req_id)
             self.preempted.pop(req_id, None)

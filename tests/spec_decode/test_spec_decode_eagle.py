@@ -169,6 +169,47 @@ def test_toggling_speculation_keeps_the_heads_cache_complete(models, prompts, he
     assert drafts == toggling
 
 
+@pytest.mark.parametrize("defer_max", [None, 4], ids=["deferred", "capped"])
+def test_a_prefix_hit_on_blocks_of_a_request_that_never_drafted_finds_the_heads_cache(models, monkeypatch, defer_max):
+    """Two requests run together under a cut-off of 2, so no step drafts and the head keeps
+    its cache writes back; they finish, and a request whose prompt extends one of theirs
+    hits its blocks and drafts alone: its drafts are a fresh engine's for the same tokens,
+    because the head wrote its cache for the leaving requests (``release``). With a cap of 4
+    kept positions the head writes every step instead; the same drafts."""
+    from tokenmill.spec_decode import eagle
+
+    if defer_max is not None:
+        monkeypatch.setattr(eagle, "DEFER_MAX_POSITIONS", defer_max)
+    drafts: dict[tuple[int, ...], list[int]] = {}
+    propose = eagle.HeadProposer.propose
+
+    def spy(self, batch):
+        proposal = propose(self, batch)
+        for j, row in enumerate(batch.rows):
+            tokens = tuple(batch.input_batch.token_ids[row, : batch.input_batch.num_tokens[row]].tolist())
+            drafts[tokens] = proposal.draft_token_ids[j, : proposal.num_draft_tokens[j]].tolist()
+        return proposal
+
+    monkeypatch.setattr(eagle.HeadProposer, "propose", spy)
+    rng = random.Random(5)
+    shared, other = ([rng.randrange(256) for _ in range(40)] for _ in range(2))
+    spec = {"method": "eagle3", "model": models["eagle3"], "num_speculative_tokens": 3,
+            "adaptive_draft_length": False, "disable_by_batch_size": 2}
+    engine = {"model": models["target"], "num_kv_blocks": 256, "max_model_len": 256}
+    llm = LLM(**engine, speculative_config=spec)
+    together = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    generate(llm, [{"prompt_token_ids": shared}, {"prompt_token_ids": other}], together)
+    assert not drafts and llm.get_stats()["spec_num_drafts"] == 0
+    generate(llm, [{"prompt_token_ids": shared + [7, 9]}], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert llm.get_stats()["prefix_cache_hit_tokens"] >= 32
+    hit = dict(drafts)
+    assert hit and all(len(d) == 3 for d in hit.values())
+    drafts.clear()
+    fresh = LLM(**engine, speculative_config=spec | {"disable_by_batch_size": 0})
+    generate(fresh, [{"prompt_token_ids": list(t[:-1])} for t in hit], SamplingParams(temperature=0, max_tokens=1))
+    assert drafts == hit
+
+
 def test_mtp_reuses_its_layer_beyond_num_nextn_predict_layers(models, prompts, references):
     """k = 4 with one MTP layer: the layer runs at every depth (drafts of 4 tokens, fewer only
     near max_tokens), output unchanged."""
@@ -237,7 +278,7 @@ def test_drafts_are_the_training_heads(models, tmp_path, monkeypatch, method):
         return proposal
 
     monkeypatch.setattr(HeadProposer, "propose", spy)
-    spec = {"method": method, "model": str(tmp_path / "head"), "num_speculative_tokens": 3}
+    spec = {"method": method, "model": str(tmp_path / "head"), "num_speculative_tokens": 3, "adaptive_draft_length": False}
     llm = LLM(model=models["target"], num_kv_blocks=64, max_model_len=256, speculative_config=spec)
     prompt = [random.Random(1).randrange(256) for _ in range(21)]
     out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
