@@ -7,27 +7,33 @@ Adaptive (``SpeculativeConfig.adaptive_draft_length``), per step with ``n`` runn
   The chance that draft ``j`` is accepted is the product over positions ``0..j``.
 - **Cost**, per batch-size bucket (1, 2, 3-4, 5-8, ...): an exponentially weighted least
   squares fit of the engine core's measured step seconds over decode-only steps,
-  ``seconds = a + b * [drafts > 0] + m * drafts``, where ``drafts`` are the draft tokens the
-  step handled (verified plus proposed). ``a / n`` is what one token costs without drafts;
-  ``2 m`` what one draft token costs (it is proposed in one step and verified in the next);
-  ``2 b`` what a step's drafts cost at all, however few: running the proposer, and on the CPU
-  a verification's extra rows can take a step off its decode graph onto eager kernels. Until
-  the fit has steps with and without drafts and drafting steps of several sizes, ``b`` is 0.
+  ``seconds = a + b_p [p > 0] + b_v [v > 0] + m_p p + m_v v`` for the ``p`` drafts the step
+  proposed and the ``v`` it verified (a draft is proposed in one step and verified in the
+  next; a step after one that drafted nothing verifies nothing, and one before a step that
+  drafts nothing proposes nothing, and the two cost very differently: a draft model runs a
+  whole forward per proposed token, a verified token is one more row of the target's). ``a /
+  n`` is what one token costs without drafts, ``m = m_p + m_v`` what one draft token costs,
+  ``b = b_p + b_v`` what drafting costs at all, however few drafts: running the proposer, and
+  on the CPU a verification's extra rows can take a step off its decode graph onto eager
+  kernels. A small ridge keeps the jumps at 0 while the steps cannot tell them from the
+  per-token costs. Until the fit is ready (steps without drafts, steps that proposed, steps
+  that verified), a request drafts at most ``COLD_LENGTH`` tokens.
 - A request drafts the longest prefix of positions whose acceptance chance is at least
-  ``theta = 2 m n / a`` (0: none); when all its drafts were accepted, the estimate of the
+  ``theta = m n / a`` (0: none); when all its drafts were accepted, the estimate of the
   position after them moves toward the last one's (so the length can grow back, and be
   measured there). The step drafts only if the tokens its drafts are expected to add are worth
-  their cost, ``expected * a / n >= 2 b + 2 m * drafted``; else nothing. A request at 0
-  drafts one token again after 4 steps, then after 8, 16, ... up to 64 while those probes are
-  rejected, so that drafts come back when they pay again. One step in ``PROBE_EVERY`` of a
-  bucket drafts nothing, so that the fit sees steps without drafts.
+  their cost, ``expected * a / n >= b + m * drafted``; else nothing. A request at 0 drafts one
+  token again after 4 steps, then after 8, 16, ... up to 64 while those probes are rejected,
+  so that drafts come back when they pay again. Two steps in ``PROBE_EVERY`` of a bucket draft
+  nothing, so that the fit sees steps without drafts.
 
 The batch-size cut-off follows: in a bucket where no draft would pay even if every one were
-accepted (``theta >= 1``, or ``num_speculative_tokens`` drafts per request not worth ``2 b``
+accepted (``theta >= 1``, or ``num_speculative_tokens`` drafts per request not worth ``b``
 plus theirs), no request drafts, not even the one-token probes above (one request's probe
-would cost the whole batch ``2 b``). Every ``EXPLORE_EVERY``-th step of such a bucket each
-request drafts one token, so that the fit keeps measuring what drafts cost; between those
-steps the bucket keeps the last verdict its fit gave. ``disable_by_batch_size``, given, still
+would cost the whole batch ``b``). After ``EXPLORE_EVERY`` steps of such a bucket each
+request drafts one token, so that the fit keeps measuring what drafts cost, then after twice
+as many steps, and so on up to ``EXPLORE_MAX``; between those steps the bucket keeps the last
+verdict its fit gave. ``disable_by_batch_size``, given, still
 caps it.
 
 Fixed: every request drafts ``num_speculative_tokens`` while fewer than
@@ -50,22 +56,24 @@ PRIOR_THETA = 0.2
 """Break-even acceptance of a bucket whose cost fit is not ready."""
 COST_DECAY = 0.97
 """Weight kept by a bucket's earlier step timings at each new one."""
-MIN_FIT_WEIGHT = 6.0
+MIN_FIT_WEIGHT = 5.0
 """Weighted step count a bucket's cost fit needs."""
-MIN_FIT_VARIANCE = 0.25
-"""Variance of the draft tokens per step a fit needs (over all steps for ``a`` and ``m``, over
-the drafting steps to tell ``b`` from ``m``)."""
-MIN_KIND_WEIGHT = 1.0
-"""Weighted count of steps with, and of steps without, drafts a fit needs to estimate ``b``."""
+MIN_KIND_WEIGHT = 0.5
+"""Weighted count of steps without drafts, of steps that proposed and of steps that verified,
+a fit needs."""
 PROBE_EVERY = 16
-"""One step in this many of a bucket drafts nothing."""
-EARLY_PROBES = (4, 8)
+"""Two steps in this many of a bucket draft nothing (the second of them verifies none either)."""
+EARLY_PROBES = (3, 4)
 """Steps of a bucket that draft nothing too, so that its fit is ready early."""
+COLD_LENGTH = 1
+"""The most a request drafts in a bucket whose fit is not ready."""
 PROBE_SYNC = 16
 """A request's one-token probe that does not pay for its step waits for a step with drafts
 that do, or for one in this many (so that the probes of several requests share a step)."""
-EXPLORE_EVERY = 64
-"""In a bucket where no draft pays, one step in this many drafts one token per request."""
+EXPLORE_EVERY, EXPLORE_MAX = 64, 1024
+"""In a bucket where no draft pays, a step drafts one token per request after this many steps,
+then after twice as many, ... up to ``EXPLORE_MAX`` while no draft pays (an exploration can
+be dear: a draft model first catches up on every token since its request last drafted)."""
 REPROBE_FIRST, REPROBE_MAX = 4, 64
 """Steps a request without drafts waits before drafting one token again, doubled after each
 rejected probe."""
@@ -78,60 +86,76 @@ def bucket_of(num_reqs: int) -> int:
 
 @dataclass(frozen=True)
 class StepCost:
-    """A bucket's fitted step seconds: ``a + b * [drafts > 0] + m * drafts``."""
+    """A bucket's fitted step seconds, a drafting round's cost summed over the step that
+    proposes the drafts and the one that verifies them.
+
+    Attributes:
+        a: a step without drafts.
+        b: what drafting costs at all, however few drafts (running the proposer; on the CPU a
+            verification's extra rows can take a step off its decode graph).
+        m: what each draft token costs (proposed, then verified).
+    """
 
     a: float
     b: float
     m: float
 
     def theta(self, num_reqs: int) -> float:
-        """The acceptance chance at which one more draft token pays: ``2 m n / a``."""
-        return 2 * self.m * num_reqs / self.a
+        """The acceptance chance at which one more draft token pays: ``m n / a``."""
+        return self.m * num_reqs / self.a
 
     def pays(self, num_reqs: int, expected: float, drafted: int) -> bool:
         """Whether ``drafted`` draft tokens expected to add ``expected`` tokens are worth
         their time."""
-        return expected * self.a / num_reqs >= 2 * self.b + 2 * self.m * drafted
+        return expected * self.a / num_reqs >= self.b + self.m * drafted
+
+
+def _features(verified: int, proposed: int) -> np.ndarray:
+    out: np.ndarray = np.array(
+        [1.0, float(proposed > 0), float(verified > 0), float(proposed), float(verified)]
+    )
+    return out
+
+
+_JUMPS = np.diag([0.0, 1.0, 1.0, 0.0, 0.0])
+"""The fit's ridge: the two jumps, which the steps may not tell from the per-token costs (all
+drafting steps of one length), stay 0 then."""
+RIDGE = 1e-3
 
 
 @dataclass
 class StepCostFit:
-    """Exponentially weighted least squares of step seconds ``t`` on ``[1, x > 0, x]`` for
-    ``x`` draft tokens."""
+    """Exponentially weighted least squares of step seconds on ``[1, p > 0, v > 0, p, v]`` for
+    ``p`` drafts proposed and ``v`` verified in the step (proposing a draft and verifying it
+    cost very differently, and a step often does only one of them), with a small ridge on the
+    two jumps."""
 
     w: float = 0.0
-    ff: np.ndarray = field(default_factory=lambda: np.zeros((3, 3)))
-    ft: np.ndarray = field(default_factory=lambda: np.zeros(3))
+    kinds: np.ndarray = field(default_factory=lambda: np.zeros(3))
+    ff: np.ndarray = field(default_factory=lambda: np.zeros((5, 5)))
+    ft: np.ndarray = field(default_factory=lambda: np.zeros(5))
 
-    def add(self, x: float, t: float) -> None:
-        f = np.array([1.0, float(x > 0), float(x)])
+    def add(self, verified: int, proposed: int, t: float) -> None:
+        f = _features(verified, proposed)
         self.w = self.w * COST_DECAY + 1
+        self.kinds = self.kinds * COST_DECAY + np.array([not (verified or proposed), proposed > 0, verified > 0])
         self.ff = self.ff * COST_DECAY + np.outer(f, f)
         self.ft = self.ft * COST_DECAY + f * t
 
     def cost(self) -> StepCost | None:
-        """The fitted cost, ``b`` 0 while the steps cannot tell it from ``m``; None until
-        the fit is ready."""
-        w, ff, ft = self.w, self.ff, self.ft
-        if w < MIN_FIT_WEIGHT:
+        """The fitted cost; None until the fit has steps without drafts, steps that proposed
+        and steps that verified."""
+        if self.w < MIN_FIT_WEIGHT or self.kinds.min() < MIN_KIND_WEIGHT:
             return None
-        mx = ff[0, 2] / w
-        if ff[2, 2] / w - mx * mx < MIN_FIT_VARIANCE:
-            return None
-        drafting = ff[1, 1]
-        separable = (
-            drafting >= MIN_KIND_WEIGHT
-            and w - drafting >= MIN_KIND_WEIGHT
-            and ff[2, 2] / drafting - (ff[1, 2] / drafting) ** 2 >= MIN_FIT_VARIANCE
-        )
-        if separable:
-            a, b, m = np.linalg.solve(ff, ft)
-        else:
-            m = (ft[2] / w - mx * ft[0] / w) / (ff[2, 2] / w - mx * mx)
-            a, b = ft[0] / w - m * mx, 0.0
+        a, b_propose, b_verify, m_propose, m_verify = np.linalg.lstsq(
+            self.ff + RIDGE * self.w * _JUMPS, self.ft, rcond=None
+        )[0]
         if a <= 0:
             return None
-        return StepCost(float(a), max(float(b), 0.0), max(float(m), 0.0))
+        return StepCost(
+            float(a), max(float(b_propose), 0.0) + max(float(b_verify), 0.0),
+            max(float(m_propose), 0.0) + max(float(m_verify), 0.0),
+        )
 
 
 @dataclass
@@ -161,6 +185,8 @@ class DraftLengthPolicy:
     fits: dict[int, StepCostFit] = field(default_factory=dict)
     costs: dict[int, StepCost] = field(default_factory=dict)
     steps: dict[int, int] = field(default_factory=dict)
+    explore_at: dict[int, int] = field(default_factory=dict)
+    explore_gaps: dict[int, int] = field(default_factory=dict)
     requests: dict[str, _Request] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -180,13 +206,19 @@ class DraftLengthPolicy:
         cost = self._cost(bucket)
         out: dict[str, int] = {}
         if (
-            step % PROBE_EVERY
+            step % PROBE_EVERY not in (0, PROBE_EVERY - 1)
             and step not in EARLY_PROBES
             and (cost is None or self._can_pay(cost, num_running))
         ):
             out = self._drafts(req_ids, num_running, cost, step)
-        if not out and cost is not None and step % EXPLORE_EVERY == 1:
+        gap = self.explore_gaps.get(bucket, EXPLORE_EVERY)
+        if out:
+            gap = self.explore_gaps[bucket] = EXPLORE_EVERY
+            self.explore_at[bucket] = step + gap
+        elif cost is not None and step >= self.explore_at.setdefault(bucket, gap + 1):
             out = dict.fromkeys(req_ids, 1)
+            self.explore_gaps[bucket] = min(2 * gap, EXPLORE_MAX)
+            self.explore_at[bucket] = step + self.explore_gaps[bucket]
         self.length_counts[0] += len(req_ids) - len(out)
         for length in out.values():
             self.length_counts[length] += 1
@@ -206,7 +238,7 @@ class DraftLengthPolicy:
             if req is None:
                 req = self.requests[req_id] = _Request(list(self.prior))
             length, chance = 0, 1.0
-            for p in req.accept:
+            for p in req.accept[: self.max_length if cost is not None else COLD_LENGTH]:
                 chance *= p
                 if chance < theta:
                     break
@@ -270,11 +302,11 @@ class DraftLengthPolicy:
                 REPROBE_FIRST if num_accepted else min(2 * req.reprobe_after, REPROBE_MAX)
             )
 
-    def observe_step(self, num_reqs: int, num_draft_tokens: int, seconds: float) -> None:
-        """A decode-only step of ``num_reqs`` requests that verified and proposed
-        ``num_draft_tokens`` drafts in all, in ``seconds``."""
+    def observe_step(self, num_reqs: int, verified: int, proposed: int, seconds: float) -> None:
+        """A decode-only step of ``num_reqs`` requests that verified ``verified`` drafts and
+        proposed ``proposed``, in ``seconds``."""
         if self.adaptive and num_reqs:
-            self.fits.setdefault(bucket_of(num_reqs), StepCostFit()).add(num_draft_tokens, seconds)
+            self.fits.setdefault(bucket_of(num_reqs), StepCostFit()).add(verified, proposed, seconds)
 
     def finish(self, req_id: str) -> None:
         self.requests.pop(req_id, None)

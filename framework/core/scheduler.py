@@ -474,8 +474,12 @@ class Scheduler:
         scheduled = scheduler_output.num_scheduled_tokens
         if not scheduled or any(n != 1 + len(verified.get(r, ())) for r, n in scheduled.items()):
             return
-        num_drafts = sum(map(len, verified.values())) + sum(map(len, spec_token_ids.values()))
-        self.draft_policy.observe_step(len(scheduled), num_drafts, seconds)
+        self.draft_policy.observe_step(
+            len(scheduled),
+            sum(map(len, verified.values())),
+            sum(map(len, spec_token_ids.values())),
+            seconds,
+        )
 
     def _update_from_kv_connector(self, output: KVConnectorOutput) -> None:
         """Loads that finished make their requests schedulable; sends that finished (and loads

@@ -95,14 +95,15 @@ def test_disable_by_batch_size_turns_speculation_off(tiny, prompts, reference):
 @pytest.mark.parametrize("draft", ["target", "draft"], ids=["self-draft", "random-draft"])
 def test_adaptive_draft_lengths_follow_acceptance_and_keep_outputs(tiny, prompts, reference, draft):
     """Adaptive lengths (the default of draft_model): a random draft model, whose drafts are
-    rejected, soon drafts nothing on most steps; a self-draft keeps k (all accepted); outputs
-    equal the non-speculative run's."""
+    rejected, soon drafts nothing on most steps; a self-draft has all its drafts accepted (how
+    many it drafts follows what they cost: a draft model as large as the target does not
+    pay); outputs equal the non-speculative run's."""
     spec = {"model": tiny[draft], "num_speculative_tokens": 3}
     llm = LLM(model=tiny["target"], num_kv_blocks=256, max_model_len=256, speculative_config=spec)
     assert generate(llm, prompts) == reference
     stats = llm.get_stats()
     lengths = [stats[f"spec_draft_length_{k}"] for k in range(4)]
-    assert lengths[3] > 0
+    assert sum(lengths[1:]) > 0
     if draft == "draft":
         assert stats["spec_num_accepted_tokens"] < 0.2 * stats["spec_num_draft_tokens"]
         assert lengths[0] > 2 * sum(lengths[1:])
