@@ -14,8 +14,8 @@ graph, so the recorded pointers stay valid; and a replay must reproduce the eage
 bit. A replay is one C call (``cpu_ops.run_plan``): the recorded calls, packed, run in one
 OpenMP region, as llama.cpp computes a graph. A size that fails any of these ends the capture (larger ones would fail alike) and runs
 eagerly. In practice: the quantization methods with C kernels (gguf, int8, int4, fp8) are
-captured at every size; float32 weights up to 4 rows, where their products are C calls
-(``platforms/cpu_linear.py``, ``STREAM_MAX_ROWS``), not oneDNN. Graphs stop at ``MAX_SIZE``
+captured at every size; float32 weights up to ``STREAM_MAX_ROWS`` rows (16, 4 with AVX-512),
+where their products are C calls (``platforms/cpu_linear.py``), not oneDNN. Graphs stop at ``MAX_SIZE``
 rows: beyond that the Python cost is shared by enough rows to matter little.
 """
 
@@ -35,7 +35,7 @@ from tokenmill.interfaces.decode_graph import DecodeGraphRunner
 
 logger = logging.getLogger(__name__)
 
-MAX_SIZE = 8
+MAX_SIZE = 16
 
 _aten = torch.ops.aten
 ALLOWED_OPS = {

@@ -42,12 +42,19 @@ def onednn_linear(
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-STREAM_MAX_ROWS = 4
-"""Input rows up to which the C kernel (``cpu_quant.f32_linear``) multiplies instead of oneDNN:
-a decode step of up to 4 requests, or a speculative verification of one request's k <= 3 drafts
-and its token. The default model's 30 layers (424 MB of float32 weights), 2 threads of an AMD
-EPYC with AVX-512, best of 5: 1, 2, 3, 4, 8 rows 8.4, 10.6, 13.4, 17.0, 21.9 ms vs oneDNN's
-28.9, 29.2, 25.7, 25.3, 33.9 ms; held to AVX2, 8.5, 9.6, 9.4, 13.9, 17.0 vs 24.9-34.0 ms."""
+def _stream_max_rows() -> int:
+    """Input rows up to which the C kernel (``cpu_quant.f32_linear``) multiplies instead of
+    oneDNN: 16 (a decode step of up to 16 requests, or a speculative verification of 4
+    requests' 3 drafts and their tokens), but 4 where torch runs AVX-512 kernels, whose oneDNN
+    GEMM takes over from 6 rows. The default model's 30 layers of float32 products (424 MB),
+    2 threads of an AMD EPYC (Zen 4), best of 5, C kernel vs oneDNN: held to AVX2, 1, 4, 8, 12,
+    16 rows 9.4 / 11.7, 10.1 / 14.0, 14.4 / 17.4, 18.1 / 19.6, 22.3 / 23.9 ms; with AVX-512, 1,
+    4, 5, 8, 16 rows 11.8 / 10.8, 11.1 / 11.1, 11.9 / 9.9, 14.9 / 13.3, 24.0 / 14.7 ms (up to 4
+    rows the C kernel keeps the step a CPU decode graph)."""
+    return 4 if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else 16
+
+
+STREAM_MAX_ROWS = _stream_max_rows()
 
 
 class OneDNNLinearMethod(UnquantizedLinearMethod):

@@ -11,10 +11,11 @@ from conftest import make_tiny_checkpoint
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import EngineConfig
 from tokenmill.interfaces.decode_graph import DecodeGraphRunner
-from tokenmill.platforms.cpu_graph import CpuGraphRunner
+from tokenmill.platforms.cpu_graph import MAX_SIZE, CpuGraphRunner
+from tokenmill.quant.fp8 import Fp8LinearMethod
 
-ENGINE = dict(block_size=8, max_model_len=256, num_kv_blocks=128, enable_prefix_caching=False)
-PROMPTS = [[(7 * i + j) % 250 + 3 for j in range(5 + 3 * i)] for i in range(10)]
+ENGINE = dict(block_size=8, max_model_len=256, num_kv_blocks=192, enable_prefix_caching=False)
+PROMPTS = [[(7 * i + j) % 250 + 3 for j in range(5 + 3 * i)] for i in range(18)]
 
 
 @pytest.fixture(scope="module")
@@ -50,8 +51,12 @@ def test_replays_give_the_eager_tokens(checkpoints, arch, quantization, monkeypa
     model = checkpoints[arch]
     llm = LLM(model=model, quantization=quantization, **ENGINE)
     runner = graph_runner(llm)
-    assert isinstance(runner, CpuGraphRunner) and sorted(runner.graphs) == list(range(1, 9))
-    assert any(m.startswith("CPU decode graphs for steps of 1, 2, 3, 4, 5, 6, 7, 8 tokens") for _, _, m in tokenmill_log)
+    # FP8 dequantizes its weights for a float GEMM from Fp8LinearMethod.gemm_rows rows on.
+    largest = MAX_SIZE if quantization != "fp8" else min(MAX_SIZE, Fp8LinearMethod.gemm_rows - 1)
+    sizes = list(range(1, largest + 1))
+    assert isinstance(runner, CpuGraphRunner) and sorted(runner.graphs) == sizes
+    steps_of = f"CPU decode graphs for steps of {', '.join(map(str, sizes))} tokens"
+    assert any(m.startswith(steps_of) for _, _, m in tokenmill_log)
     size_of = {id(graph): size for size, graph in runner.graphs.items()}
     replayed: list[int] = []
     replay = CpuGraphRunner.replay
@@ -60,10 +65,10 @@ def test_replays_give_the_eager_tokens(checkpoints, arch, quantization, monkeypa
     )
     eager = LLM(model=model, quantization=quantization, enforce_eager=True, **ENGINE)
     assert graph_runner(eager) is None
-    for n in (1, 3, 8, 10):
+    for n in (1, 3, largest, MAX_SIZE + 2):
         assert generate(llm, n) == generate(eager, n), f"{n} requests"
-    # Decode steps of 1, 3 and 8 requests replay their own graphs; 10 requests run eagerly.
-    assert {1, 3, 8} <= set(replayed)
+    # Decode steps of 1, 3 and `largest` requests replay their own graphs; more run eagerly.
+    assert {1, 3, largest} <= set(replayed)
 
 
 def test_float32_decode_is_captured_while_it_streams_the_weights(tiny):
@@ -173,6 +178,7 @@ def test_an_eagle3_target_is_captured_with_its_residual_streams(tmp_path, replay
         "num_speculative_tokens": 2,
         "model": write_eagle_head(tmp_path / "eagle3", target, draft_vocab_size=96),
         "disable_by_batch_size": 0,
+        "adaptive_draft_length": False,
     }
     llm = LLM(model=target, quantization="int8", speculative_config=spec, **ENGINE)
     runner = graph_runner(llm)

@@ -116,7 +116,7 @@ def test_decode_graphs_give_the_eager_tokens(llm):
     """The CPU decode graphs (``platforms/cpu_graph.py``) capture the block kernels' decode steps,
     and their tokens are the eager engine's."""
     graphs = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner.graphs
-    assert graphs is not None and sorted(graphs.graphs) == list(range(1, 9))
+    assert graphs is not None and sorted(graphs.graphs) == list(range(1, GEMV_MAX_ROWS + 1))
     eager = LLM(
         quantization="gguf",
         kv_cache_memory_bytes=64 << 20,
