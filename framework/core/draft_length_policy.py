@@ -33,8 +33,9 @@ plus theirs), no request drafts, not even the one-token probes above (one reques
 would cost the whole batch ``b``). After ``EXPLORE_EVERY`` steps of such a bucket each
 request drafts one token, so that the fit keeps measuring what drafts cost, then after twice
 as many steps, and so on up to ``EXPLORE_MAX``; between those steps the bucket keeps the last
-verdict its fit gave. ``disable_by_batch_size``, given, still
-caps it.
+verdict its fit gave. A bucket whose fit is not ready yet takes the verdict "no draft pays" of
+a smaller bucket, if one has it (a draft costs a larger batch more), until its explorations
+make its own fit ready. ``disable_by_batch_size``, given, still caps it.
 
 Fixed: every request drafts ``num_speculative_tokens`` while fewer than
 ``disable_by_batch_size`` requests run (vLLM's behaviour).
@@ -204,18 +205,15 @@ class DraftLengthPolicy:
         bucket = bucket_of(num_running)
         step = self.steps[bucket] = self.steps.get(bucket, 0) + 1
         cost = self._cost(bucket)
+        pays = self._can_pay(cost, num_running) if cost is not None else self._smaller_can_pay(bucket)
         out: dict[str, int] = {}
-        if (
-            step % PROBE_EVERY not in (0, PROBE_EVERY - 1)
-            and step not in EARLY_PROBES
-            and (cost is None or self._can_pay(cost, num_running))
-        ):
+        if step % PROBE_EVERY not in (0, PROBE_EVERY - 1) and step not in EARLY_PROBES and pays is not False:
             out = self._drafts(req_ids, num_running, cost, step)
         gap = self.explore_gaps.get(bucket, EXPLORE_EVERY)
         if out:
             gap = self.explore_gaps[bucket] = EXPLORE_EVERY
             self.explore_at[bucket] = step + gap
-        elif cost is not None and step >= self.explore_at.setdefault(bucket, gap + 1):
+        elif pays is not None and step >= self.explore_at.setdefault(bucket, gap + 1):
             out = dict.fromkeys(req_ids, 1)
             self.explore_gaps[bucket] = min(2 * gap, EXPLORE_MAX)
             self.explore_at[bucket] = step + self.explore_gaps[bucket]
@@ -278,6 +276,16 @@ class DraftLengthPolicy:
             return self.costs.get(bucket)
         self.costs[bucket] = cost
         return cost
+
+    def _smaller_can_pay(self, bucket: int) -> bool | None:
+        """For a bucket without a fit: False when a smaller bucket's fit says no draft pays at
+        its largest batch size (a draft costs a larger batch more, relative to its step,
+        ``theta = m n / a``), else None (not known)."""
+        for smaller in range(bucket):
+            cost = self._cost(smaller)
+            if cost is not None and not self._can_pay(cost, 1 << smaller):
+                return False
+        return None
 
     def _can_pay(self, cost: StepCost, num_reqs: int) -> bool:
         """Whether any draft could pay at ``num_reqs`` requests: all of them drafting

@@ -108,6 +108,18 @@ def test_drafts_that_cost_more_than_they_earn_stop_at_that_batch_size():
     assert bucket_of(1) == 0 and bucket_of(2) == 1 and bucket_of(4) == 2 and bucket_of(5) == 3
 
 
+def test_a_new_batch_size_takes_a_smaller_ones_verdict_that_no_draft_pays():
+    """Drafts never pay at 2 requests; at 4 (a bucket without a fit) none is drafted from the
+    first step, until the bucket's first exploration, which readies its own fit."""
+    policy = DraftLengthPolicy(max_length=3, adaptive=True)
+    dear = lambda v, p: 1 + 0.5 * (v + p)  # noqa: E731
+    _simulate(policy, 40, _share(1.0), dear, lambda step: ["a", "b"])
+    assert policy.cutoff() == 2
+    chosen = _simulate(policy, 2 * EXPLORE_EVERY, _share(1.0), dear, lambda step: ["a", "b", "c", "d"])
+    assert [s for s, k in enumerate(chosen) if k] == [EXPLORE_EVERY]
+    assert not policy._can_pay(policy.costs[bucket_of(4)], 4)
+
+
 def test_where_no_draft_pays_requests_do_not_probe_and_the_bucket_explores_rarely():
     """Four requests at a time, each replaced after 48 steps (staggered), whose drafts are half
     accepted; a step costs 1, or 2 + 0.05 per draft token as soon as it proposes or verifies
