@@ -32,10 +32,10 @@ accepted (``theta >= 1``, or ``num_speculative_tokens`` drafts per request not w
 plus theirs), no request drafts, not even the one-token probes above (one request's probe
 would cost the whole batch ``b``). After ``EXPLORE_EVERY`` steps of such a bucket each
 request drafts one token, so that the fit keeps measuring what drafts cost, then after twice
-as many steps, and so on up to ``EXPLORE_MAX``; between those steps the bucket keeps the last
-verdict its fit gave. A bucket whose fit is not ready yet takes the verdict "no draft pays" of
-a smaller bucket, if one has it (a draft costs a larger batch more), until its explorations
-make its own fit ready. ``disable_by_batch_size``, given, still caps it.
+as many steps, and so on up to ``EXPLORE_MAX`` (at once where drafts would cost twice what
+they earn or more); between those steps the bucket keeps the last verdict its fit gave. A
+bucket without a fit takes the verdict "no draft pays" of a smaller bucket, if one has it (a
+draft costs a larger batch more), and does not explore. ``disable_by_batch_size``, given, still caps it.
 
 Fixed: every request drafts ``num_speculative_tokens`` while fewer than
 ``disable_by_batch_size`` requests run (vLLM's behaviour).
@@ -71,10 +71,14 @@ COLD_LENGTH = 1
 PROBE_SYNC = 16
 """A request's one-token probe that does not pay for its step waits for a step with drafts
 that do, or for one in this many (so that the probes of several requests share a step)."""
-EXPLORE_EVERY, EXPLORE_MAX = 64, 1024
+EXPLORE_EVERY, EXPLORE_MAX = 64, 4096
 """In a bucket where no draft pays, a step drafts one token per request after this many steps,
-then after twice as many, ... up to ``EXPLORE_MAX`` while no draft pays (an exploration can
-be dear: a draft model first catches up on every token since its request last drafted)."""
+then after twice as many, ... up to ``EXPLORE_MAX`` while no draft pays; after
+``EXPLORE_MAX`` at once when drafts are far from paying (an exploration can be dear: a draft
+model first catches up on every token since its request last drafted, its whole prompt for a
+request that never did)."""
+FAR_FROM_PAYING = 2.0
+"""Drafts that would cost this many times what they earn at best are far from paying."""
 REPROBE_FIRST, REPROBE_MAX = 4, 64
 """Steps a request without drafts waits before drafting one token again, doubled after each
 rejected probe."""
@@ -213,9 +217,10 @@ class DraftLengthPolicy:
         if out:
             gap = self.explore_gaps[bucket] = EXPLORE_EVERY
             self.explore_at[bucket] = step + gap
-        elif pays is not None and step >= self.explore_at.setdefault(bucket, gap + 1):
+        elif cost is not None and step >= self.explore_at.setdefault(bucket, gap + 1):
             out = dict.fromkeys(req_ids, 1)
-            self.explore_gaps[bucket] = min(2 * gap, EXPLORE_MAX)
+            far = not pays and self._far_from_paying(cost, num_running)
+            self.explore_gaps[bucket] = EXPLORE_MAX if far else min(2 * gap, EXPLORE_MAX)
             self.explore_at[bucket] = step + self.explore_gaps[bucket]
         self.length_counts[0] += len(req_ids) - len(out)
         for length in out.values():
@@ -286,6 +291,12 @@ class DraftLengthPolicy:
             if cost is not None and not self._can_pay(cost, 1 << smaller):
                 return False
         return None
+
+    def _far_from_paying(self, cost: StepCost, num_reqs: int) -> bool:
+        """Whether drafts would cost ``FAR_FROM_PAYING`` times what they earn or more at
+        ``num_reqs`` requests, all of them drafting ``max_length`` tokens, every one accepted."""
+        drafted = num_reqs * self.max_length
+        return cost.b + cost.m * drafted >= FAR_FROM_PAYING * drafted * cost.a / num_reqs
 
     def _can_pay(self, cost: StepCost, num_reqs: int) -> bool:
         """Whether any draft could pay at ``num_reqs`` requests: all of them drafting
