@@ -120,7 +120,7 @@ class MPClient(EngineCoreClient):
     receives the core's messages and passes each ``EngineCoreOutputs`` to ``output_handler``;
     if the core dies, it passes an ``EngineDeadError`` instead and stops. The child process
     exits when this process dies. Raises ``ValueError`` or ``RuntimeError`` if the core fails
-    to start.
+    to start, or once ``abort_start`` is set while it starts (the core is stopped then).
     """
 
     def __init__(
@@ -128,8 +128,10 @@ class MPClient(EngineCoreClient):
         config: EngineConfig,
         output_handler: Callable[[EngineCoreOutputs | EngineDeadError], None],
         in_thread: bool = False,
+        abort_start: threading.Event | None = None,
     ) -> None:
         self.output_handler = output_handler
+        self._abort_start = abort_start
         on_ray = config.data_parallel_backend == "ray"
         if on_ray and in_thread:
             raise ValueError(
@@ -178,6 +180,7 @@ class MPClient(EngineCoreClient):
         try:
             self._core.start()
             self._wait_ready()
+            self._abort_start = None
         except BaseException:
             self._stop_core()
             self._close()
@@ -266,14 +269,20 @@ class MPClient(EngineCoreClient):
             raise EngineDeadError(self._death_message()) from None
 
     def _recv(self) -> tuple[bytes, Payload] | None:
-        """The next message; None once the core is gone and nothing is left to read."""
+        """The next message; None once the core is gone and nothing is left to read (or,
+        while it starts, once ``abort_start`` is set)."""
         while not self._output.poll(POLL_INTERVAL_MS):
-            if not self.is_alive():
+            if not self.is_alive() or (self._abort_start is not None and self._abort_start.is_set()):
                 return None
         return decode(self._output.recv_multipart())
 
     def _wait_ready(self) -> None:
         message = self._recv()
+        if message is None and self.is_alive():
+            raise RuntimeError(
+                f"the engine core ({self._core.name}, pid {self.pid}) was stopped while starting: "
+                "another data-parallel engine core failed to start"
+            )
         if message is None:
             raise RuntimeError(f"{self._death_message()} while starting")
         kind, payload = message

@@ -60,19 +60,30 @@ class DPClient(EngineCoreClient):
             config.expert_parallel_init_method = f"tcp://127.0.0.1:{get_open_port()}"
             config.data_parallel_sync_init_method = f"tcp://127.0.0.1:{get_open_port()}"
 
+        # The first core that fails to start stops the others' starts: with experts across
+        # the cores they would wait for it in the expert-parallel group's set-up.
+        failed = threading.Event()
+        first_error: list[BaseException] = []
+
         def start(rank: int) -> MPClient:
             core_config = copy.copy(config)
             core_config.data_parallel_rank = rank
             core_config.data_parallel_rank_local = 0 if config.data_parallel_backend == "ray" else rank
-            return MPClient(core_config, self._on_output)
+            try:
+                return MPClient(core_config, self._on_output, abort_start=failed)
+            except BaseException as e:
+                with self._lock:
+                    if not failed.is_set():
+                        first_error.append(e)
+                        failed.set()
+                raise
 
         with concurrent.futures.ThreadPoolExecutor(size) as pool:
             futures = [pool.submit(start, rank) for rank in range(size)]
         self.cores = [f.result() for f in futures if f.exception() is None]
-        errors = [e for f in futures if (e := f.exception()) is not None]
-        if errors:
+        if first_error:
             self.shutdown()
-            raise errors[0]
+            raise first_error[0]
         self._wake_others = config.expert_parallel_across_data_parallel
         self.max_model_len = min(c.max_model_len for c in self.cores)
         self.max_prompt_tokens = min(c.max_prompt_tokens for c in self.cores)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -206,6 +207,54 @@ def test_a_core_that_loses_another_names_the_dead_expert_rank(tmp_path):
     mp.spawn(_core_beside_a_dead_one, args=(get_open_port(), str(out)), nprocs=2)
     sent = out.read_bytes()
     assert b"expert-parallel rank 1 (pid " in sent and b"died; the data-parallel engine cores" in sent, sent
+
+
+def _children() -> set[int]:
+    """This process's live children started by multiprocessing's spawn."""
+    found = set()
+    for entry in os.listdir("/proc"):
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if int(fields[1]) == os.getpid() and fields[0] != "Z" and b"spawn_main" in cmdline:
+            found.add(int(entry))
+    return found
+
+
+def test_a_core_that_dies_while_starting_stops_the_others_start(tmp_path):
+    """One of two engine cores is killed as soon as it is spawned: the other, whose worker
+    waits for the dead one's in the expert-parallel group's set-up, is stopped at once (it
+    waited for the group's 5-minute set-up timeout before), and the start fails naming the
+    dead core; no process is left."""
+    path = save_deepseek(tmp_path / "m", "v3", n_routed_experts=32)[0]
+    before = _children()
+    killed: list[int] = []
+
+    def kill_one() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            cores = _children() - before
+            if len(cores) == 2:
+                killed.append(min(cores))
+                os.kill(killed[0], 9)
+                return
+            time.sleep(0.01)
+
+    killer = threading.Thread(target=kill_one)
+    killer.start()
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"the engine core \(.*\) died with exit code -9 while starting"):
+        AsyncLLM.from_engine_args(model=path, data_parallel_size=2, enable_expert_parallel=True, **SMALL_CACHE)
+    assert time.monotonic() - start < 30
+    killer.join()
+    assert killed
+    deadline = time.monotonic() + 10
+    while _children() - before:
+        assert time.monotonic() < deadline, _children() - before
+        time.sleep(0.1)
 
 
 def test_settings_experts_across_data_parallel_cores_cannot_honour_are_refused(tmp_path):
