@@ -67,7 +67,10 @@ class _Deferred:
 
     start: int
     states: list[torch.Tensor] = field(default_factory=list)
-    count: int = 0
+
+    @property
+    def count(self) -> int:
+        return sum(len(s) for s in self.states)
 
 
 class HeadProposer(ModelProposer):
@@ -119,12 +122,11 @@ class HeadProposer(ModelProposer):
         target_index = torch.from_numpy(np.repeat(step.query_start_loc[:-1], num_new) + offsets)
         features = self._features(step, target_index.to(self.device))
         per_row = torch.split(features, num_new.tolist())
-        for row, start, count, states in zip(step.rows, step.start_positions, num_new, per_row):
+        for row, start, states in zip(step.rows, step.start_positions, per_row):
             kept = self.deferred.get(row)
             if kept is None or kept.start + kept.count != start:
                 kept = self.deferred[row] = _Deferred(int(start))
             kept.states.append(states)
-            kept.count += int(count)
         if self.defers and not len(rows) and sum(d.count for d in self.deferred.values()) <= DEFER_MAX_POSITIONS:
             return None, None, ib.num_computed_tokens[rows]
         hidden, cu = self._pass(step.rows, ib, step.prepare)

@@ -132,12 +132,8 @@ def test_a_step_that_does_not_speculate_runs_the_head_without_drafting(models, p
     assert llm.get_stats()["spec_num_drafts"] > 0
 
 
-@pytest.mark.parametrize("head", ["eagle", "eagle3", "mtp"])
-def test_toggling_speculation_keeps_the_heads_cache_complete(models, prompts, head, monkeypatch):
-    """Concurrency 1 -> 3 -> 1 under the default cut-off of 2. Every output field equals the
-    non-speculative run's, and every draft, before and after the steps that did not speculate,
-    is the one the head makes for a fresh request of the same tokens (whose head cache is
-    complete): those steps left no holes in the head's cache."""
+def record_drafts(monkeypatch) -> dict[tuple[int, ...], list[int]]:
+    """Every head's drafts from now on, by the request's tokens when it drafted them."""
     from tokenmill.spec_decode.eagle import HeadProposer
 
     drafts: dict[tuple[int, ...], list[int]] = {}
@@ -151,6 +147,16 @@ def test_toggling_speculation_keeps_the_heads_cache_complete(models, prompts, he
         return proposal
 
     monkeypatch.setattr(HeadProposer, "propose", spy)
+    return drafts
+
+
+@pytest.mark.parametrize("head", ["eagle", "eagle3", "mtp"])
+def test_toggling_speculation_keeps_the_heads_cache_complete(models, prompts, head, monkeypatch):
+    """Concurrency 1 -> 3 -> 1 under the default cut-off of 2. Every output field equals the
+    non-speculative run's, and every draft, before and after the steps that did not speculate,
+    is the one the head makes for a fresh request of the same tokens (whose head cache is
+    complete): those steps left no holes in the head's cache."""
+    drafts = record_drafts(monkeypatch)
     target = "deepseek" if head == "mtp" else "target"
     spec = {"method": head, "num_speculative_tokens": 3, "adaptive_draft_length": False}
     if head != "mtp":
@@ -180,17 +186,7 @@ def test_a_prefix_hit_on_blocks_of_a_request_that_never_drafted_finds_the_heads_
 
     if defer_max is not None:
         monkeypatch.setattr(eagle, "DEFER_MAX_POSITIONS", defer_max)
-    drafts: dict[tuple[int, ...], list[int]] = {}
-    propose = eagle.HeadProposer.propose
-
-    def spy(self, batch):
-        proposal = propose(self, batch)
-        for j, row in enumerate(batch.rows):
-            tokens = tuple(batch.input_batch.token_ids[row, : batch.input_batch.num_tokens[row]].tolist())
-            drafts[tokens] = proposal.draft_token_ids[j, : proposal.num_draft_tokens[j]].tolist()
-        return proposal
-
-    monkeypatch.setattr(eagle.HeadProposer, "propose", spy)
+    drafts = record_drafts(monkeypatch)
     rng = random.Random(5)
     shared, other = ([rng.randrange(256) for _ in range(40)] for _ in range(2))
     spec = {"method": "eagle3", "model": models["eagle3"], "num_speculative_tokens": 3,

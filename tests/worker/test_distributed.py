@@ -34,6 +34,11 @@ MAX_TOKENS = 1000
 
 def worker_processes(parent: int) -> list[int]:
     """Live ``mp`` worker processes whose parent is ``parent``."""
+    return child_processes(parent, b"multiproc_executor")
+
+
+def child_processes(parent: int, marker: bytes) -> list[int]:
+    """Live processes whose parent is ``parent`` and whose command line holds ``marker``."""
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -44,7 +49,7 @@ def worker_processes(parent: int) -> list[int]:
         except OSError:
             continue
         fields = stat.rsplit(")", 1)[1].split()
-        if int(fields[1]) == parent and fields[0] != "Z" and b"multiproc_executor" in cmdline:
+        if int(fields[1]) == parent and fields[0] != "Z" and marker in cmdline:
             found.append(int(entry))
     return found
 

@@ -40,6 +40,7 @@ from worker.test_distributed import (
     ROUND_PROMPTS,
     SMALL_CACHE,
     alive,
+    child_processes,
     engine_samples,
     run_rounds,
     run_rounds_async,
@@ -211,17 +212,7 @@ def test_a_core_that_loses_another_names_the_dead_expert_rank(tmp_path):
 
 def _children() -> set[int]:
     """This process's live children started by multiprocessing's spawn."""
-    found = set()
-    for entry in os.listdir("/proc"):
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
-        except OSError:
-            continue
-        fields = stat.rsplit(")", 1)[1].split()
-        if int(fields[1]) == os.getpid() and fields[0] != "Z" and b"spawn_main" in cmdline:
-            found.add(int(entry))
-    return found
+    return set(child_processes(os.getpid(), b"spawn_main"))
 
 
 def test_a_core_that_dies_while_starting_stops_the_others_start(tmp_path):
