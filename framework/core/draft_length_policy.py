@@ -24,7 +24,9 @@ Adaptive (``SpeculativeConfig.adaptive_draft_length``), per step with ``n`` runn
   measured there). The step drafts only if the tokens its drafts are expected to add are worth
   their cost, ``expected * a / n >= b + m * drafted``; else nothing. A request at 0 drafts one
   token again after 4 steps, then after 8, 16, ... up to 64 while those probes are rejected,
-  so that drafts come back when they pay again. Two steps in ``PROBE_EVERY`` of a bucket draft
+  so that drafts come back when they pay again; a new request starts from the interval the
+  last probe left (as from the engine-wide acceptance), so short requests do not each probe
+  their way down from 4 steps again. Two steps in ``PROBE_EVERY`` of a bucket draft
   nothing, so that the fit sees steps without drafts.
 
 The batch-size cut-off follows: in a bucket where no draft would pay even if every one were
@@ -193,42 +195,51 @@ class DraftLengthPolicy:
     explore_at: dict[int, int] = field(default_factory=dict)
     explore_gaps: dict[int, int] = field(default_factory=dict)
     requests: dict[str, _Request] = field(default_factory=dict)
+    reprobe_first: int = REPROBE_FIRST
+    """The interval new requests probe after: the one the last probe left."""
 
     def __post_init__(self) -> None:
         self.length_counts = [0] * (self.max_length + 1)
         self.prior = [PRIOR_ACCEPTANCE] * self.max_length
 
-    def lengths(self, req_ids: list[str], num_running: int) -> dict[str, int]:
-        """The draft length of each of ``req_ids`` (requests that sample this step) after it;
-        those without drafts are left out."""
-        capped = 0 < self.disable_by_batch_size <= num_running
-        if not self.adaptive or capped:
-            length = 0 if capped else self.max_length
-            self.length_counts[length] += len(req_ids)
-            return {r: length for r in req_ids} if length else {}
+    def lengths(self, rooms: dict[str, int], num_running: int) -> dict[str, int]:
+        """The draft length of each request that samples this step (``rooms``: the most
+        drafts each could still use, as its ``max_tokens`` and the model length leave room for)
+        after it; those without drafts are left out. A request without room drafts nothing,
+        not even a probe."""
+        req_ids = [r for r, room in rooms.items() if room > 0]
+        if 0 < self.disable_by_batch_size <= num_running:
+            out = {}
+        elif self.adaptive:
+            out = self._adaptive(req_ids, rooms, num_running)
+        else:
+            out = {r: min(self.max_length, rooms[r]) for r in req_ids}
+        self.length_counts[0] += len(rooms) - len(out)
+        for length in out.values():
+            self.length_counts[length] += 1
+        return out
+
+    def _adaptive(self, req_ids: list[str], rooms: dict[str, int], num_running: int) -> dict[str, int]:
         bucket = bucket_of(num_running)
         step = self.steps[bucket] = self.steps.get(bucket, 0) + 1
         cost = self._cost(bucket)
         pays = self._can_pay(cost, num_running) if cost is not None else self._smaller_can_pay(bucket)
         out: dict[str, int] = {}
         if step % PROBE_EVERY not in (0, PROBE_EVERY - 1) and step not in EARLY_PROBES and pays is not False:
-            out = self._drafts(req_ids, num_running, cost, step)
+            out = self._drafts(req_ids, rooms, num_running, cost, step)
         gap = self.explore_gaps.get(bucket, EXPLORE_EVERY)
         if out:
             gap = self.explore_gaps[bucket] = EXPLORE_EVERY
             self.explore_at[bucket] = step + gap
-        elif cost is not None and step >= self.explore_at.setdefault(bucket, gap + 1):
+        elif cost is not None and req_ids and step >= self.explore_at.setdefault(bucket, gap + 1):
             out = dict.fromkeys(req_ids, 1)
             far = not pays and self._far_from_paying(cost, num_running)
             self.explore_gaps[bucket] = EXPLORE_MAX if far else min(2 * gap, EXPLORE_MAX)
             self.explore_at[bucket] = step + self.explore_gaps[bucket]
-        self.length_counts[0] += len(req_ids) - len(out)
-        for length in out.values():
-            self.length_counts[length] += 1
         return out
 
     def _drafts(
-        self, req_ids: list[str], num_running: int, cost: StepCost | None, step: int
+        self, req_ids: list[str], rooms: dict[str, int], num_running: int, cost: StepCost | None, step: int
     ) -> dict[str, int]:
         """Each request's longest paying run of drafts, none if together they do not pay for
         the step; the one-token probes due, if they pay or other drafts do, else every
@@ -239,9 +250,9 @@ class DraftLengthPolicy:
         for req_id in req_ids:
             req = self.requests.get(req_id)
             if req is None:
-                req = self.requests[req_id] = _Request(list(self.prior))
+                req = self.requests[req_id] = _Request(list(self.prior), reprobe_after=self.reprobe_first)
             length, chance = 0, 1.0
-            for p in req.accept[: self.max_length if cost is not None else COLD_LENGTH]:
+            for p in req.accept[: min(self.max_length if cost is not None else COLD_LENGTH, rooms[req_id])]:
                 chance *= p
                 if chance < theta:
                     break
@@ -317,7 +328,7 @@ class DraftLengthPolicy:
             req.accept[num_drafts] += ACCEPTANCE_ALPHA * max(gap, 0.0)
         if req is not None and req.probing:
             req.probing = False
-            req.reprobe_after = (
+            req.reprobe_after = self.reprobe_first = (
                 REPROBE_FIRST if num_accepted else min(2 * req.reprobe_after, REPROBE_MAX)
             )
 

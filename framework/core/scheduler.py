@@ -213,16 +213,14 @@ class Scheduler:
         if not preempted:
             self._schedule_waiting(budget, num_scheduled, new_reqs, cached)
 
-        sampling = []
+        rooms = {}
         for req_id, n in num_scheduled.items():
             req = self.requests[req_id]
             req.num_computed_tokens += n
             if req.num_computed_tokens >= req.num_tokens:
-                sampling.append(req_id)
+                rooms[req_id] = self._draft_room(req)
         self.in_flight.update(num_scheduled)
-        draft_lengths = (
-            self.draft_policy.lengths(sampling, len(self.running)) if cfg.num_speculative_tokens else {}
-        )
+        draft_lengths = self.draft_policy.lengths(rooms, len(self.running)) if cfg.num_speculative_tokens else {}
         out = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached,
@@ -464,6 +462,12 @@ class Scheduler:
         if kv_connector_output is not None:
             self._update_from_kv_connector(kv_connector_output)
         return outputs
+
+    def _draft_room(self, req: Request) -> int:
+        """The most drafts a request that samples this step can use after it: the step emits
+        at least one token, and ``update_from_output`` keeps only drafts that leave room for the
+        token after them."""
+        return min(req.max_tokens - req.num_output_tokens, self.config.max_model_len - req.num_tokens) - 2
 
     def observe_step_time(
         self, scheduler_output: SchedulerOutput, spec_token_ids: dict[str, list[int]], seconds: float

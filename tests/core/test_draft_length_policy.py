@@ -18,25 +18,30 @@ from tokenmill.core.draft_length_policy import (
 )
 from tokenmill.entrypoints.openai.metrics import EngineStatsCollector
 
+ROOM = 1000
+"""Drafts a request has room for: more than any test drafts."""
+
 
 def _simulate(
     policy: DraftLengthPolicy,
     steps: int,
     accepted: Callable[[int], int],
     seconds: Callable[[int, int], float],
-    requests: Callable[[int], list[str]] = lambda step: ["r"],
+    requests: Callable[[int], dict[str, int]] = lambda step: {"r": ROOM},
 ) -> list[int]:
-    """``steps`` engine steps: the drafts chosen at a step are proposed in it and verified in
-    the next, where the first ``accepted(k)`` of ``k`` hold; a step that verified
-    ``v`` drafts and proposed ``p`` takes ``seconds(v, p)``. The drafts chosen per step."""
+    """``steps`` engine steps of the requests ``requests(step)`` gives, each with its room
+    for drafts: the drafts chosen at a step are proposed in it and verified in the next,
+    where the first ``accepted(k)`` of ``k`` hold; a step that verified ``v`` drafts and
+    proposed ``p`` takes ``seconds(v, p)``. The drafts chosen per step."""
     chosen: list[int] = []
     verified: dict[str, int] = {}
     reqs: list[str] = []
     for step in range(steps):
-        previous, reqs = reqs, requests(step)
+        previous, rooms = reqs, requests(step)
+        reqs = list(rooms)
         for r in set(previous) - set(reqs):
             policy.finish(r)
-        lengths = policy.lengths(reqs, len(reqs))
+        lengths = policy.lengths(rooms, len(reqs))
         for r, k in verified.items():
             policy.observe_acceptance(r, k, accepted(k))
         v, p = sum(verified.values()), sum(lengths.values())
@@ -64,6 +69,17 @@ def test_rejected_drafts_drive_the_length_to_zero_and_accepted_ones_back_up():
     stats = policy.as_dict()
     assert sum(stats[f"spec_draft_length_{k}"] for k in range(5)) == 600
     assert stats["spec_draft_length_0"] > 300 and stats["spec_draft_length_4"] > 120
+
+
+def test_short_requests_start_from_the_probe_interval_the_last_probe_left():
+    """Drafts never accepted, each costing 0.3 of a step, requests of 24 steps one after
+    another: once probes are rejected, a new request waits as long as the last probe left
+    before probing (it probed again after 4 idle steps, so every short request paid for its
+    own probes)."""
+    policy = DraftLengthPolicy(max_length=3, adaptive=True)
+    dear = lambda v, p: 1 + 0.15 * (v + p)  # noqa: E731
+    chosen = _simulate(policy, 40 * 24, _share(0.0), dear, lambda step: {f"r{step // 24}": 22 - step % 24})
+    assert sum(k > 0 for k in chosen[-20 * 24 :]) <= 3  # the bucket's explorations
 
 
 def test_high_acceptance_keeps_the_length_up_except_the_probe_steps():
@@ -100,10 +116,10 @@ def test_drafts_that_cost_more_than_they_earn_stop_at_that_batch_size():
     for n, slope in ((1, 0.01), (8, 0.5)):
         _simulate(
             policy, 60, lambda k: min(k, 1),
-            lambda v, p, slope=slope: 1 + slope * (v + p), lambda step, n=n: reqs[:n],
+            lambda v, p, slope=slope: 1 + slope * (v + p), lambda step, n=n: dict.fromkeys(reqs[:n], ROOM),
         )
-    assert policy.lengths(reqs[:1], 1)["r0"] >= 1
-    assert sum(policy.lengths(reqs, 8).values()) <= 1
+    assert policy.lengths({"r0": ROOM}, 1)["r0"] >= 1
+    assert sum(policy.lengths(dict.fromkeys(reqs, ROOM), 8).values()) <= 1
     assert policy.cutoff() == 5 == policy.as_dict()["spec_disable_by_batch_size"]  # bucket 5..8
     assert bucket_of(1) == 0 and bucket_of(2) == 1 and bucket_of(4) == 2 and bucket_of(5) == 3
 
@@ -113,9 +129,9 @@ def test_a_new_batch_size_takes_a_smaller_ones_verdict_that_no_draft_pays():
     even explorations (the smaller bucket explores for it)."""
     policy = DraftLengthPolicy(max_length=3, adaptive=True)
     dear = lambda v, p: 1 + 0.5 * (v + p)  # noqa: E731
-    _simulate(policy, 40, _share(1.0), dear, lambda step: ["a", "b"])
+    _simulate(policy, 40, _share(1.0), dear, lambda step: dict.fromkeys("ab", ROOM))
     assert policy.cutoff() == 2
-    chosen = _simulate(policy, 2 * EXPLORE_EVERY, _share(1.0), dear, lambda step: ["a", "b", "c", "d"])
+    chosen = _simulate(policy, 2 * EXPLORE_EVERY, _share(1.0), dear, lambda step: dict.fromkeys("abcd", ROOM))
     assert not any(chosen) and policy.fits[bucket_of(4)].cost() is None
 
 
@@ -129,7 +145,7 @@ def test_where_no_draft_pays_requests_do_not_probe_and_the_bucket_explores_rarel
     policy = DraftLengthPolicy(max_length=3, adaptive=True)
     chosen = _simulate(
         policy, 12 * EXPLORE_EVERY, lambda k: k // 2, lambda v, p: 2 + 0.05 * (v + p) if v + p else 1.0,
-        lambda step: [f"{i}-{(step + 12 * i) // 48}" for i in range(4)],
+        lambda step: {f"{i}-{(step + 12 * i) // 48}": ROOM for i in range(4)},
     )
     drafting = [s for s, k in enumerate(chosen) if k]
     assert len(drafting) == 6 and drafting[3] < 8, drafting
@@ -172,12 +188,26 @@ def test_a_fit_without_steps_that_draft_nothing_is_not_ready():
 
 def test_fixed_lengths_and_the_configured_cutoff():
     policy = DraftLengthPolicy(max_length=3, adaptive=False, disable_by_batch_size=2)
-    assert policy.lengths(["a"], 1) == {"a": 3}
-    assert policy.lengths(["a", "b"], 2) == {}
+    assert policy.lengths({"a": ROOM}, 1) == {"a": 3}
+    assert policy.lengths({"a": ROOM, "b": ROOM}, 2) == {}
     assert policy.as_dict() == {
         "spec_draft_length_0": 2, "spec_draft_length_1": 0, "spec_draft_length_2": 0,
         "spec_draft_length_3": 1, "spec_disable_by_batch_size": 2,
     }
+
+
+def test_drafts_stop_at_a_requests_room():
+    """A request whose ``max_tokens`` leaves room for fewer drafts than the length drafts
+    that many (the rest would be cut unverified), and one on its last token none: not even
+    an adaptive probe, whose verdict would never arrive."""
+    fixed = DraftLengthPolicy(max_length=3, adaptive=False)
+    assert fixed.lengths({"a": 2, "b": 0, "c": ROOM}, 3) == {"a": 2, "c": 3}
+    assert fixed.as_dict()["spec_draft_length_0"] == 1
+    adaptive = DraftLengthPolicy(max_length=3, adaptive=True)
+    chosen = _simulate(adaptive, 60, _share(1.0), _cheap)
+    assert chosen[-1] == 3
+    assert adaptive.lengths({"r": 1}, 1) == {"r": 1}
+    assert adaptive.lengths({"r": 0}, 1) == {}
 
 
 def test_draft_lengths_are_exported_on_metrics():

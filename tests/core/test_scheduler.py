@@ -172,3 +172,16 @@ def test_preemption_passes_over_requests_in_flight():
     third = s.schedule()
     assert third.preempted_req_ids == {"2"} and third.num_scheduled_tokens == {"1": 1}
     assert s.in_flight == {"1", "3"}
+
+
+def test_draft_lengths_stop_at_what_max_tokens_leaves_room_for():
+    """With 3 drafts per step, a request of ``max_tokens=4`` gets 2 after its prefill (the
+    step emits its first token; drafts past its last would be cut unverified) and none
+    once the step may emit its last."""
+    kv = KVCacheManager(64, BS, 128)
+    s = Scheduler(SchedulerConfig(8, 32, 128, num_speculative_tokens=3), kv)
+    s.add_request(_req(1, 8, max_tokens=4))
+    s.add_request(_req(2, 8, max_tokens=2))
+    s.add_request(_req(3, 8, max_tokens=100))
+    out = s.schedule()
+    assert out.draft_lengths == {"1": 2, "3": 3}
