@@ -36,8 +36,11 @@ would cost the whole batch ``b``). After ``EXPLORE_EVERY`` steps of such a bucke
 request drafts one token, so that the fit keeps measuring what drafts cost, then after twice
 as many steps, and so on up to ``EXPLORE_MAX`` (at once where drafts would cost twice what
 they earn or more); between those steps the bucket keeps the last verdict its fit gave. A
-bucket without a fit takes the verdict "no draft pays" of a smaller bucket, if one has it (a
-draft costs a larger batch more), and does not explore. ``disable_by_batch_size``, given, still caps it.
+bucket without a fit of its own takes the nearest smaller bucket's cost, and does not explore:
+at more requests a step costs more, so that cost makes drafts look dearer than they are
+(``theta = m n / a`` with the smaller ``a``), never cheaper; a request drafts at most
+``COLD_LENGTH`` tokens only where no bucket has a fit yet. ``disable_by_batch_size``, given,
+still caps it.
 
 Fixed: every request drafts ``num_speculative_tokens`` while fewer than
 ``disable_by_batch_size`` requests run (vLLM's behaviour).
@@ -222,8 +225,9 @@ class DraftLengthPolicy:
     def _adaptive(self, req_ids: list[str], rooms: dict[str, int], num_running: int) -> dict[str, int]:
         bucket = bucket_of(num_running)
         step = self.steps[bucket] = self.steps.get(bucket, 0) + 1
-        cost = self._cost(bucket)
-        pays = self._can_pay(cost, num_running) if cost is not None else self._smaller_can_pay(bucket)
+        own = self._cost(bucket)
+        cost = own or next(filter(None, map(self._cost, reversed(range(bucket)))), None)
+        pays = self._can_pay(cost, num_running) if cost is not None else None
         out: dict[str, int] = {}
         if step % PROBE_EVERY not in (0, PROBE_EVERY - 1) and step not in EARLY_PROBES and pays is not False:
             out = self._drafts(req_ids, rooms, num_running, cost, step)
@@ -231,9 +235,9 @@ class DraftLengthPolicy:
         if out:
             gap = self.explore_gaps[bucket] = EXPLORE_EVERY
             self.explore_at[bucket] = step + gap
-        elif cost is not None and req_ids and step >= self.explore_at.setdefault(bucket, gap + 1):
+        elif own is not None and req_ids and step >= self.explore_at.setdefault(bucket, gap + 1):
             out = dict.fromkeys(req_ids, 1)
-            far = not pays and self._far_from_paying(cost, num_running)
+            far = not pays and self._far_from_paying(own, num_running)
             self.explore_gaps[bucket] = EXPLORE_MAX if far else min(2 * gap, EXPLORE_MAX)
             self.explore_at[bucket] = step + self.explore_gaps[bucket]
         return out
@@ -292,16 +296,6 @@ class DraftLengthPolicy:
             return self.costs.get(bucket)
         self.costs[bucket] = cost
         return cost
-
-    def _smaller_can_pay(self, bucket: int) -> bool | None:
-        """For a bucket without a fit: False when a smaller bucket's fit says no draft pays at
-        its largest batch size (a draft costs a larger batch more, relative to its step,
-        ``theta = m n / a``), else None (not known)."""
-        for smaller in range(bucket):
-            cost = self._cost(smaller)
-            if cost is not None and not self._can_pay(cost, 1 << smaller):
-                return False
-        return None
 
     def _far_from_paying(self, cost: StepCost, num_reqs: int) -> bool:
         """Whether drafts would cost ``FAR_FROM_PAYING`` times what they earn or more at

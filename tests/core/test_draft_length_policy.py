@@ -124,6 +124,21 @@ def test_drafts_that_cost_more_than_they_earn_stop_at_that_batch_size():
     assert bucket_of(1) == 0 and bucket_of(2) == 1 and bucket_of(4) == 2 and bucket_of(5) == 3
 
 
+def test_a_new_batch_size_drafts_by_a_smaller_ones_cost_until_it_has_its_own():
+    """Half the first drafts accepted; a draft token costs 0.1 of a step of 1 at 2 requests
+    (theta 0.2: drafts pay). At 8 requests, until the bucket has a fit, the 2-request cost
+    makes a draft worth it only at acceptance 0.8: requests draft nothing but one-token probes
+    (they drafted a token each at every step, as where no bucket has a fit)."""
+    policy = DraftLengthPolicy(max_length=3, adaptive=True)
+    flips = iter(range(10**6))
+    half = lambda k: min(k, next(flips) % 2)  # noqa: E731
+    reqs = [f"r{i}" for i in range(8)]
+    chosen = _simulate(policy, 60, half, lambda v, p: 1 + 0.05 * (v + p), lambda step: dict.fromkeys(reqs[:2], ROOM))
+    assert sum(chosen[-10:]) >= 10 and policy.costs[bucket_of(2)].theta(2) < 0.5
+    chosen = _simulate(policy, 12, half, lambda v, p: 2 + 0.05 * (v + p), lambda step: dict.fromkeys(reqs, ROOM))
+    assert sum(chosen) <= 3 * 8  # one-token probes
+
+
 def test_a_new_batch_size_takes_a_smaller_ones_verdict_that_no_draft_pays():
     """Drafts never pay at 2 requests; at 4 (a bucket without a fit) none is drafted, not
     even explorations (the smaller bucket explores for it)."""
