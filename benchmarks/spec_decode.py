@@ -27,7 +27,11 @@ Rows of configurations with adaptive draft lengths report the mean length chosen
 (``disable_by_batch_size``, 0: none).
 
 Each configuration gets its own engine, a warm-up request, then the timed requests; engines
-alternate per repeat. Reports output tokens/s, the speed-up over no speculation (best run over
+alternate per repeat. Two engines of one configuration can differ in speed by several per cent
+for as long as they live (where their memory landed): ``--engine-sets N`` builds every
+configuration's engine ``N`` times, one set after another, each set running every workload
+``--repeats`` times, so the medians average over engines too; ``none-again`` (a second engine
+without speculation) shows what is left of that noise. Reports output tokens/s, the speed-up over no speculation (best run over
 best run, and the median over repeats of each run over the same repeat's run without
 speculation, which the machine's drift affects less) and the acceptance rate (accepted /
 proposed drafts) with the mean tokens per verification step.
@@ -38,9 +42,12 @@ proposed drafts) with the mean tokens per verification step.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.default_model import default_model_path
@@ -69,6 +76,7 @@ LOOKUP = {"prompt_lookup_min": 2, "prompt_lookup_max": 4}
 
 CONFIGS = {
     "none": None,
+    "none-again": None,
     **{
         f"ngram-k{k}": {"method": "ngram", "num_speculative_tokens": k, **LOOKUP, "disable_by_batch_size": 0}
         for k in (3, 4)
@@ -99,7 +107,9 @@ model, ``-lookup`` ones draft from a prompt lookup first (the head where it find
 whose distribution equals the target's: 1.0 at any temperature when ``q`` is used). All but
 ``-adaptive`` ones draft a fixed k (below the cut-off: ``disable_by_batch_size`` 0, or the
 method's default with ``-default-cutoff``); ``-adaptive`` ones choose each request's length
-(``tokenmill.core.draft_length_policy``, the default of the model methods)."""
+(``tokenmill.core.draft_length_policy``, the default of the model methods). ``none-again``
+is a second engine without speculation: its speed-up over ``none`` is the run's noise floor
+(two identical engines, alternated)."""
 
 QUESTIONS = [
     "Explain what this passage says in your own words.",
@@ -169,6 +179,74 @@ def _with_draft_model(config: dict | None) -> dict | None:
     return {**config, "model": default_model_path()}
 
 
+SPEC_COUNTERS = (
+    "spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens",
+    *(f"spec_num_accepted_tokens_pos_{i}" for i in range(8)),
+    *(f"spec_draft_length_{k}" for k in range(9)),
+)
+
+
+@dataclass
+class _Cell:
+    """One workload at one concurrency: each configuration's speeds (one per repeat and
+    engine set) and its speculation counters summed over them."""
+
+    workload: str
+    requests: int
+    speeds: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    counters: dict[str, Counter] = field(default_factory=lambda: defaultdict(Counter))
+    cutoff: dict[str, int] = field(default_factory=dict)
+
+    def run(self, engines: dict[str, LLM], repeats: int, params: SamplingParams, single_stream_prompts: int) -> None:
+        make_prompts = {"chat": _chat_prompts, "ask": _ask_prompts, "short": _ask_prompts}.get(
+            self.workload.split("-")[0], _prompts
+        )
+        for llm in engines.values():
+            _run(llm, _prompts(llm, 1), SamplingParams(temperature=0, max_tokens=8))
+        for _ in range(repeats):
+            for name, llm in engines.items():
+                before = llm.get_stats()
+                if self.requests == 1:  # single stream: the prompts one after another
+                    runs = [_run(llm, [p], params) for p in make_prompts(llm, single_stream_prompts)]
+                    tokens, seconds = sum(r[0] for r in runs), sum(r[1] for r in runs)
+                else:
+                    tokens, seconds = _run(llm, make_prompts(llm, self.requests), params)
+                self.speeds[name].append(tokens / seconds)
+                after = llm.get_stats()
+                self.counters[name].update({k: after.get(k, 0) - before.get(k, 0) for k in SPEC_COUNTERS})
+        for name, llm in engines.items():
+            spec = llm.llm_engine.config.speculative
+            if spec is not None and spec.adaptive_draft_length:
+                self.cutoff[name] = llm.get_stats()["spec_disable_by_batch_size"]
+
+    def rows(self) -> list[dict]:
+        base = self.speeds.get("none")
+        out = []
+        for name, speeds in self.speeds.items():
+            c = self.counters[name]
+            drafts, proposed = c["spec_num_drafts"], c["spec_num_draft_tokens"]
+            row = {
+                "workload": self.workload,
+                "requests": self.requests,
+                "config": name,
+                "output_tok_s": [round(s, 1) for s in speeds],
+                "speedup_best": round(max(speeds) / max(base), 2) if base else None,
+                "speedup_median": round(statistics.median(s / b for s, b in zip(speeds, base)), 2) if base else None,
+                "acceptance": round(c["spec_num_accepted_tokens"] / proposed, 3) if proposed else None,
+                "tokens_per_verify_step": round(1 + c["spec_num_accepted_tokens"] / drafts, 2) if drafts else None,
+                "acceptance_per_position": [
+                    round(c[f"spec_num_accepted_tokens_pos_{i}"] / drafts, 3)
+                    for i in range(8) if c[f"spec_num_accepted_tokens_pos_{i}"]
+                ] if drafts else None,
+            }
+            counts = [c[f"spec_draft_length_{k}"] for k in range(9)]
+            if name in self.cutoff and sum(counts):
+                row["draft_length_mean"] = round(sum(k * n for k, n in enumerate(counts)) / sum(counts), 2)
+                row["disable_by_batch_size"] = self.cutoff[name]
+            out.append(row)
+        return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output-len", type=int, default=128)
@@ -178,78 +256,33 @@ def main() -> None:
     parser.add_argument("--single-stream-prompts", type=int, default=4,
                         help="prompts a single-stream run generates for, one at a time")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--engine-sets", type=int, default=1,
+                        help="build every configuration's engine this many times, one set after another, "
+                        "each running every workload --repeats times")
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="sampling temperature of the timed requests (0: greedy)")
     parser.add_argument("--workload", default="copy,chat,concurrent")
     parser.add_argument("--configs", default="none,ngram-k4,ngram-k4-default-cutoff,eagle3-k3,eagle3-k3-default-cutoff")
     args = parser.parse_args()
     params = SamplingParams(temperature=args.temperature, max_tokens=args.output_len, ignore_eos=True)
-    engines = {
-        name: LLM(speculative_config=_with_draft_model(CONFIGS[name]), kv_cache_memory_bytes=2**29)
-        for name in args.configs.split(",")
-    }
-    runs = [
-        (workload, args.concurrency if workload.endswith("concurrent") else 1)
+    cells = [
+        _Cell(workload, args.concurrency if workload.endswith("concurrent") else 1)
         for workload in args.workload.split(",")
     ]
     if args.concurrencies:
-        runs = [(kind, int(c)) for kind in args.workload.split(",") for c in args.concurrencies.split(",")]
-    for workload, n in runs:
-        make_prompts = {"chat": _chat_prompts, "ask": _ask_prompts, "short": _ask_prompts}.get(
-            workload.split("-")[0], _prompts
-        )
-        results: dict[str, list[float]] = {name: [] for name in engines}
-        accept: dict[str, tuple[int, int, int]] = {}
-        positions: dict[str, list[int]] = {}
-        lengths: dict[str, list[int]] = {}
-        for llm in engines.values():
-            _run(llm, _prompts(llm, 1), SamplingParams(temperature=0, max_tokens=8))
-        for _ in range(args.repeats):
-            for name, llm in engines.items():
-                before = llm.get_stats()
-                if n == 1:  # single stream: the prompts one after another
-                    runs = [_run(llm, [p], params) for p in make_prompts(llm, args.single_stream_prompts)]
-                    tokens, seconds = sum(r[0] for r in runs), sum(r[1] for r in runs)
-                else:
-                    tokens, seconds = _run(llm, make_prompts(llm, n), params)
-                results[name].append(tokens / seconds)
-                after = llm.get_stats()
-                accept[name] = tuple(
-                    after.get(k, 0) - before.get(k, 0)
-                    for k in ("spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens")
-                )
-                positions[name] = [
-                    after.get(f"spec_num_accepted_tokens_pos_{i}", 0)
-                    - before.get(f"spec_num_accepted_tokens_pos_{i}", 0)
-                    for i in range(8)
-                ]
-                lengths[name] = [
-                    after.get(f"spec_draft_length_{k}", 0) - before.get(f"spec_draft_length_{k}", 0)
-                    for k in range(9)
-                ]
-        base = max(results["none"]) if "none" in results else None
-        for name, speeds in results.items():
-            drafts, proposed, accepted = accept[name]
-            row = {
-                "workload": workload,
-                "requests": n,
-                "config": name,
-                "output_tok_s": [round(s, 1) for s in speeds],
-                "speedup_best": round(max(speeds) / base, 2) if base else None,
-                "speedup_median": round(statistics.median(
-                    s / b for s, b in zip(speeds, results["none"])), 2) if base else None,
-                "acceptance": round(accepted / proposed, 3) if proposed else None,
-                "tokens_per_verify_step": round(1 + accepted / drafts, 2) if drafts else None,
-                "acceptance_per_position": [round(a / drafts, 3) for a in positions[name] if a]
-                if drafts
-                else None,
-            }
-            spec = engines[name].llm_engine.config.speculative
-            counts = lengths[name]
-            if spec is not None and spec.adaptive_draft_length and sum(counts):
-                row["draft_length_mean"] = round(sum(k * c for k, c in enumerate(counts)) / sum(counts), 2)
-                row["disable_by_batch_size"] = engines[name].get_stats()["spec_disable_by_batch_size"]
-            print(json.dumps(row), flush=True)
+        cells = [_Cell(kind, int(c)) for kind in args.workload.split(",") for c in args.concurrencies.split(",")]
+    for engine_set in range(args.engine_sets):
+        engines = {
+            name: LLM(speculative_config=_with_draft_model(CONFIGS[name]), kv_cache_memory_bytes=2**29)
+            for name in args.configs.split(",")
+        }
+        for cell in cells:
+            cell.run(engines, args.repeats, params, args.single_stream_prompts)
+            if engine_set == args.engine_sets - 1:
+                for row in cell.rows():
+                    print(json.dumps(row), flush=True)
+        engines.clear()
+        gc.collect()
 
 
 if __name__ == "__main__":
