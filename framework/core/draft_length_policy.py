@@ -34,8 +34,10 @@ accepted (``theta >= 1``, or ``num_speculative_tokens`` drafts per request not w
 plus theirs), no request drafts, not even the one-token probes above (one request's probe
 would cost the whole batch ``b``). After ``EXPLORE_EVERY`` steps of such a bucket each
 request drafts one token, so that the fit keeps measuring what drafts cost, then after twice
-as many steps, and so on up to ``EXPLORE_MAX`` (at once where drafts would cost twice what
-they earn or more); between those steps the bucket keeps the last verdict its fit gave. A
+as many steps, and so on up to ``EXPLORE_MAX``; as soon as the fit finds drafts costing twice
+what they earn or more (an exploration itself can show it), the next one waits
+``EXPLORE_MAX`` steps after the last; between those steps the bucket keeps the last verdict its
+fit gave. A
 bucket without a fit of its own takes the nearest smaller bucket's cost, and does not explore:
 at more requests a step costs more, so that cost makes drafts look dearer than they are
 (``theta = m n / a`` with the smaller ``a``), never cheaper; a request drafts at most
@@ -78,10 +80,10 @@ PROBE_SYNC = 16
 that do, or for one in this many (so that the probes of several requests share a step)."""
 EXPLORE_EVERY, EXPLORE_MAX = 64, 4096
 """In a bucket where no draft pays, a step drafts one token per request after this many steps,
-then after twice as many, ... up to ``EXPLORE_MAX`` while no draft pays; after
-``EXPLORE_MAX`` at once when drafts are far from paying (an exploration can be dear: a draft
+then after twice as many, ... up to ``EXPLORE_MAX`` while no draft pays; ``EXPLORE_MAX`` after
+the last as soon as drafts are found far from paying (an exploration can be dear: a draft
 model first catches up on every token since its request last drafted, its whole prompt for a
-request that never did)."""
+request that never did, and that step's cost shows it)."""
 FAR_FROM_PAYING = 2.0
 """Drafts that would cost this many times what they earn at best are far from paying."""
 REPROBE_FIRST, REPROBE_MAX = 4, 64
@@ -233,13 +235,17 @@ class DraftLengthPolicy:
             out = self._drafts(req_ids, rooms, num_running, cost, step)
         gap = self.explore_gaps.get(bucket, EXPLORE_EVERY)
         if out:
-            gap = self.explore_gaps[bucket] = EXPLORE_EVERY
-            self.explore_at[bucket] = step + gap
-        elif own is not None and req_ids and step >= self.explore_at.setdefault(bucket, gap + 1):
-            out = dict.fromkeys(req_ids, 1)
-            far = not pays and self._far_from_paying(own, num_running)
-            self.explore_gaps[bucket] = EXPLORE_MAX if far else min(2 * gap, EXPLORE_MAX)
-            self.explore_at[bucket] = step + self.explore_gaps[bucket]
+            self.explore_gaps[bucket] = EXPLORE_EVERY
+            self.explore_at[bucket] = step + EXPLORE_EVERY
+        elif own is not None:
+            due = self.explore_at.setdefault(bucket, gap + 1)
+            if not pays and gap < EXPLORE_MAX and self._far_from_paying(own, num_running):
+                due = self.explore_at[bucket] = due - gap + EXPLORE_MAX
+                gap = self.explore_gaps[bucket] = EXPLORE_MAX
+            if req_ids and step >= due:
+                out = dict.fromkeys(req_ids, 1)
+                self.explore_gaps[bucket] = min(2 * gap, EXPLORE_MAX)
+                self.explore_at[bucket] = step + self.explore_gaps[bucket]
         return out
 
     def _drafts(

@@ -10,6 +10,7 @@ from tokenmill.core.draft_length_policy import (
     COLD_LENGTH,
     EARLY_PROBES,
     EXPLORE_EVERY,
+    EXPLORE_MAX,
     PROBE_EVERY,
     REPROBE_MAX,
     DraftLengthPolicy,
@@ -155,18 +156,19 @@ def test_where_no_draft_pays_requests_do_not_probe_and_the_bucket_explores_rarel
     accepted; a step costs 1, or 2 + 0.05 per draft token as soon as it proposes or verifies
     any (on the CPU one draft can move a step off its decode graph). Once the fit shows that,
     no request drafts, not even the one-token probes of new requests, except all of them one
-    token after EXPLORE_EVERY steps, then twice as many, ..., and the fit keeps its verdict in
-    between."""
+    token after EXPLORE_EVERY steps (then twice as many, ... while drafts are not far from
+    paying), and the fit keeps its verdict in between."""
     policy = DraftLengthPolicy(max_length=3, adaptive=True)
     chosen = _simulate(
         policy, 12 * EXPLORE_EVERY, lambda k: k // 2, lambda v, p: 2 + 0.05 * (v + p) if v + p else 1.0,
         lambda step: {f"{i}-{(step + 12 * i) // 48}": ROOM for i in range(4)},
     )
     drafting = [s for s, k in enumerate(chosen) if k]
-    assert len(drafting) == 6 and drafting[3] < 8, drafting
-    # Then the fit (its explorations draft one token each: all the jump taken for the cost
-    # per token) finds drafts far from paying, and the next exploration is EXPLORE_MAX away.
-    assert [b - a for a, b in zip(drafting[3:], drafting[4:])] == [EXPLORE_EVERY, 2 * EXPLORE_EVERY]
+    assert len(drafting) == 5 and drafting[3] < 8, drafting
+    assert drafting[4] - drafting[3] == EXPLORE_EVERY
+    # That exploration (one token each: all the jump taken for the cost per token) shows drafts
+    # far from paying, so the next one is EXPLORE_MAX after it, not twice EXPLORE_EVERY.
+    assert policy.explore_at[bucket_of(4)] == drafting[4] + 1 + EXPLORE_MAX
     assert policy.cutoff() == 3
 
 
