@@ -95,6 +95,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1, help="runs of every engine, in alternating order")
     parser.add_argument("--llamacpp-python", default=None, help="a Python with llama-cpp-python")
     parser.add_argument("--engines", default="gguf,llamacpp,float32")
+    parser.add_argument("--llamacpp-gguf", default=None,
+                        help="the GGUF file llama.cpp runs (default: the default model's, Q4_1; "
+                        "an F32 copy from benchmarks/gguf_to_f32.py compares with float32)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--gguf", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -121,7 +124,8 @@ def run_child(engine: str, args: argparse.Namespace, requests: list[list[int]], 
     from tokenmill.default_model import gguf_path
 
     python = args.llamacpp_python if engine == "llamacpp" else sys.executable
-    cmd = [python, __file__, "--child", engine, "--gguf", str(gguf_path()), "--threads", str(args.threads)]
+    path = args.llamacpp_gguf if engine == "llamacpp" and args.llamacpp_gguf else gguf_path()
+    cmd = [python, __file__, "--child", engine, "--gguf", str(path), "--threads", str(args.threads)]
     proc = subprocess.run(cmd, input=json.dumps(requests), capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         sys.exit(f"{engine} failed:\n{proc.stderr}")
