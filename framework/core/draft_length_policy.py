@@ -37,16 +37,17 @@ request drafts one token, so that the fit keeps measuring what drafts cost, then
 as many steps, and so on up to ``EXPLORE_MAX``; as soon as the fit finds drafts costing twice
 what they earn or more (an exploration itself can show it), the next one waits
 ``EXPLORE_MAX`` steps after the last; between those steps the bucket keeps the last verdict its
-fit gave. A
-bucket without a fit of its own takes the nearest smaller bucket's cost, and does not explore:
-at more requests a step costs more, so that cost makes drafts look dearer than they are
-(``theta = m n / a`` with the smaller ``a``), never cheaper; a request drafts at most
+fit gave. A bucket without a fit of its own takes the nearest smaller bucket's cost, and does
+not explore: at more requests a step costs more, so that cost makes drafts look dearer than
+they are (``theta = m n / a`` with the smaller ``a``), never cheaper; a request drafts at most
 ``COLD_LENGTH`` tokens only where no bucket has a fit yet. ``disable_by_batch_size``, given,
 still caps it.
 
-Fixed: every request drafts ``num_speculative_tokens`` while fewer than
-``disable_by_batch_size`` requests run (vLLM's behaviour).
-"""
+Fixed: every request drafts ``num_speculative_tokens`` (fewer where its room is less) while
+fewer than ``disable_by_batch_size`` requests run (vLLM's behaviour).
+
+Either way a request drafts no more than its room: the tokens its ``max_tokens`` and the model
+length leave after the one it samples (none on its last step)."""
 
 from __future__ import annotations
 
