@@ -454,20 +454,21 @@ class Scheduler:
             if req.is_finished():
                 outputs[-1].kv_transfer_params = self._finish(req)
             elif spec_token_ids and req_id in spec_token_ids:
-                limit = min(
-                    req.max_tokens - req.num_output_tokens,
-                    self.config.max_model_len - req.num_tokens,
-                ) - 1
-                req.spec_token_ids = spec_token_ids[req_id][: max(limit, 0)]
+                # each draft kept leaves room for the token after it
+                req.spec_token_ids = spec_token_ids[req_id][: max(self._tokens_left(req) - 1, 0)]
         if kv_connector_output is not None:
             self._update_from_kv_connector(kv_connector_output)
         return outputs
+
+    def _tokens_left(self, req: Request) -> int:
+        """The tokens ``req`` may still emit, by its ``max_tokens`` and the model length."""
+        return min(req.max_tokens - req.num_output_tokens, self.config.max_model_len - req.num_tokens)
 
     def _draft_room(self, req: Request) -> int:
         """The most drafts a request that samples this step can use after it: the step emits
         at least one token, and ``update_from_output`` keeps only drafts that leave room for the
         token after them."""
-        return min(req.max_tokens - req.num_output_tokens, self.config.max_model_len - req.num_tokens) - 2
+        return self._tokens_left(req) - 2
 
     def observe_step_time(
         self, scheduler_output: SchedulerOutput, spec_token_ids: dict[str, list[int]], seconds: float
