@@ -67,10 +67,12 @@ class _Deferred:
 
     start: int
     states: list[torch.Tensor] = field(default_factory=list)
+    count: int = 0
+    """Positions kept: kept up to date by ``add`` (read every step, so not summed then)."""
 
-    @property
-    def count(self) -> int:
-        return sum(len(s) for s in self.states)
+    def add(self, states: torch.Tensor) -> None:
+        self.states.append(states)
+        self.count += len(states)
 
 
 class HeadProposer(ModelProposer):
@@ -126,7 +128,7 @@ class HeadProposer(ModelProposer):
             kept = self.deferred.get(row)
             if kept is None or kept.start + kept.count != start:
                 kept = self.deferred[row] = _Deferred(int(start))
-            kept.states.append(states)
+            kept.add(states)
         if self.defers and not len(rows) and sum(d.count for d in self.deferred.values()) <= DEFER_MAX_POSITIONS:
             return None, None, ib.num_computed_tokens[rows]
         hidden, cu = self._pass(step.rows, ib, step.prepare)
