@@ -8,11 +8,13 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
+from torch import nn
 
 from tokenmill import envs
 from tokenmill.interfaces.attention import AttentionConfig
 from tokenmill.interfaces.platform import Platform
 from tokenmill.ops import cpu as cpu_ops
+from tokenmill.platforms.cpu_memory import move_to_huge_pages
 from tokenmill.platforms.cpu_threads import AdaptiveThreads
 
 if TYPE_CHECKING:
@@ -157,6 +159,11 @@ class CpuPlatform(Platform):
         from tokenmill.platforms.cpu_graph import CpuGraphRunner
 
         return CpuGraphRunner
+
+    @classmethod
+    def place_weights(cls, model: nn.Module) -> None:
+        """All weights in one mapping on transparent huge pages (``platforms/cpu_memory.py``)."""
+        move_to_huge_pages(model)
 
     @classmethod
     def import_kernels(cls) -> None:

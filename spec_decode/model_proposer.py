@@ -55,6 +55,7 @@ class ModelProposer(Proposer):
         self.builder = None
 
     def _attach(self, model: nn.Module) -> None:
+        self.config.platform_cls.place_weights(model)
         self.model = model
         self.builder = make_metadata_builder(
             model_attention_layers(model),

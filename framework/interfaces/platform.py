@@ -7,6 +7,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
+from torch import nn
 
 from tokenmill.interfaces.attention import AttentionConfig
 
@@ -110,6 +111,14 @@ class Platform:
         subclass that captures and replays decode steps, or None (the default) to run every
         step eagerly. ``enforce_eager`` turns graphs off whatever this returns."""
         return None
+
+    @classmethod
+    def place_weights(cls, model: nn.Module) -> None:
+        """Move a just-loaded model's parameters and buffers to the memory this platform reads
+        them fastest from. Called once for each model loaded (the target by the worker, a draft
+        model or head by its proposer), before anything records where a weight lies (decode
+        graphs, LoRA wrappers). The default leaves them
+        where loading put them; the CPU platform moves them onto huge pages."""
 
     @classmethod
     def import_kernels(cls) -> None:

@@ -156,6 +156,7 @@ class ModelRunner:
             self.config.enable_expert_parallel,
         )
         self.model = load_model(self.config.weights_path, self.config.hf_config, ctx, self.device)
+        self.config.platform_cls.place_weights(self.model)
         if self.config.enable_lora:
             with model_build_context(ctx):
                 self.lora_manager = LoRAManager(self.model, self.config, self.device)
