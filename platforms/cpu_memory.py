@@ -1,12 +1,14 @@
-"""A loaded model's weights (its parameters) moved into one block of memory backed by transparent huge pages.
+"""A loaded model's parameters moved into one mapping backed by transparent huge pages.
 
 Decode streams every weight once per token. On 4 KiB pages that stream walks a TLB entry per
 page (135,000 for the default model's 540 MB of float32), and the weights lie scattered over
 the heap and many mappings; on 2 MiB pages it needs a few hundred. The default model in
-float32, 2 threads of an AMD EPYC (Zen 4) held to AVX2, 128 greedy tokens after a short prompt,
-six requests each in two engines per side: 15.1-16.4 ms per token as loaded, 12.9-13.9 ms
-moved (``benchmarks/single_stream.py`` shows it beside the roofline). The quantized formats,
-whose decode reads a quarter of the bytes, gain 0-5 %.
+float32 on 2 cores of an AMD EPYC (Zen 4) held to AVX2, the checkout before and after
+alternated (``benchmarks/single_stream.py --python <before> --python <after> --quantization
+none --threads 2 --rounds 4``): 12.1-12.7 ms per decode token as loaded, 10.8-11.0 ms moved
+(16.0-16.6 against 14.3-14.4 in rounds where the machine's read bandwidth had halved). The quantized
+formats, which read a quarter of the bytes or less, gained nothing measurable (``gguf``, ``int8``,
+``w8a8`` within their noise).
 
 Torch's allocator hands out huge pages only with ``THP_MEM_ALLOC_ENABLE=1`` set before it
 starts, and then only for allocations of 2 MiB or more (most of a layer's weights are smaller),
