@@ -2,10 +2,13 @@
 products at one input row over the default model's 30 layers (fused q/k/v, o, fused gate/up,
 down; each layer its own weights, so no call finds them in cache) in float32, int8 and FP8, and
 paged decode attention over 30 layers' float32 caches. Best of the repeats, wall time, with the
-bytes each pass reads per second.
+bytes each pass reads per second. ``--rows`` adds the float32 products at more input rows (a
+decode batch, a speculative verification) by the C kernel against oneDNN on packed weights:
+where the CPU platform hands float32 products from one to the other (``STREAM_MAX_ROWS``).
 
     python benchmarks/decode_kernels.py --threads 2
     python benchmarks/decode_kernels.py --threads 2 --requests 16 --context 300
+    python benchmarks/decode_kernels.py --threads 2 --rows 16,32,48,64,96
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import torch
 
 from gemm import best_time
 from tokenmill.ops import cpu, cpu_quant
+from tokenmill.platforms.cpu_linear import onednn_linear, onednn_pack
 from tokenmill.quant.fp8 import quantize_fp8
 from tokenmill.quant.int8 import quantize_int8
 
@@ -38,6 +42,16 @@ def products(repeats: int) -> None:
     for name, (run, element_size) in cases.items():
         t = best_time(run, repeats)
         print(f"  {name:<20} one row, {LAYERS} layers: {t * 1e3:7.2f} ms  {weights * element_size / t / 1e9:5.1f} GB/s")
+
+
+def rows_against_onednn(rows: list[int], repeats: int) -> None:
+    floats = [[torch.randn(n, k) * 0.02 for n, k in SHAPES] for _ in range(LAYERS)]
+    packed = [[onednn_pack(w) for w in layer] for layer in floats]
+    for m in rows:
+        inputs = {k: torch.randn(m, k) for _, k in SHAPES}
+        c = best_time(lambda x=inputs: [cpu_quant.f32_linear(x[w.shape[1]], w, None) for layer in floats for w in layer], repeats)
+        dnn = best_time(lambda x=inputs: [onednn_linear(x[p.shape[1]], p) for layer in packed for p in layer], repeats)
+        print(f"  float32 {m:3d} rows, {LAYERS} layers: f32_linear {c * 1e3:6.1f} ms  oneDNN packed {dnn * 1e3:6.1f} ms")
 
 
 def attention(requests: int, context: int, repeats: int) -> None:
@@ -66,12 +80,15 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=16, help="decode attention batch")
     parser.add_argument("--context", type=int, default=300, help="decode attention tokens per request")
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--rows", default=None, help="comma-separated input rows for float32, C kernel against oneDNN")
     args = parser.parse_args()
     if cpu.load() is None:
         raise SystemExit("the CPU kernels did not build")
     torch.set_num_threads(args.threads)
     print(f"{args.threads} threads")
     products(args.repeats)
+    if args.rows:
+        rows_against_onednn([int(r) for r in args.rows.split(",")], args.repeats)
     attention(args.requests, args.context, args.repeats)
 
 

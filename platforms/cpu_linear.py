@@ -44,14 +44,16 @@ def onednn_linear(
 
 def _stream_max_rows() -> int:
     """Input rows up to which the C kernel (``cpu_quant.f32_linear``) multiplies instead of
-    oneDNN: 16 (a decode step of up to 16 requests, or a speculative verification of 4
+    oneDNN: 64 (a decode step of up to 64 requests, or a speculative verification of 16
     requests' 3 drafts and their tokens), but 4 where torch runs AVX-512 kernels, whose oneDNN
-    GEMM takes over from 6 rows. The default model's 30 layers of float32 products (424 MB),
-    2 threads of an AMD EPYC (Zen 4), best of 5, C kernel vs oneDNN: held to AVX2, 1, 4, 8, 12,
-    16 rows 9.4 / 11.7, 10.1 / 14.0, 14.4 / 17.4, 18.1 / 19.6, 22.3 / 23.9 ms; with AVX-512, 1,
-    4, 5, 8, 16 rows 11.8 / 10.8, 11.1 / 11.1, 11.9 / 9.9, 14.9 / 13.3, 24.0 / 14.7 ms (up to 4
-    rows the C kernel keeps the step a CPU decode graph)."""
-    return 4 if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else 16
+    GEMM takes over from 6 rows. Up to there a step stays C calls only, so it can be a CPU decode
+    graph (``platforms/cpu_graph.py``). The default model's 30 layers of float32 products (424
+    MB), 2 threads of an AMD EPYC (Zen 4), best of 5, C kernel vs oneDNN (``python
+    benchmarks/decode_kernels.py --threads 2 --rows 1,16,24,32,48,64,96 --repeats 5``): held to
+    AVX2, 1, 16, 24, 32, 48, 64, 96 rows 12.0 / 13.7, 21.9 / 24.5, 28.8 / 30.3, 36.2 / 37.4,
+    49.7 / 53.4, 64.2 / 63.7, 101.6 / 98.4 ms; with AVX-512, 1, 4, 5, 8, 16 rows 11.8 / 10.8,
+    11.1 / 11.1, 11.9 / 9.9, 14.9 / 13.3, 24.0 / 14.7 ms."""
+    return 4 if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else 64
 
 
 STREAM_MAX_ROWS = _stream_max_rows()

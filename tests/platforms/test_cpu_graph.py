@@ -14,8 +14,8 @@ from tokenmill.interfaces.decode_graph import DecodeGraphRunner
 from tokenmill.platforms.cpu_graph import MAX_SIZE, CpuGraphRunner
 from tokenmill.quant.fp8 import Fp8LinearMethod
 
-ENGINE = dict(block_size=8, max_model_len=256, num_kv_blocks=192, enable_prefix_caching=False)
-PROMPTS = [[(7 * i + j) % 250 + 3 for j in range(5 + 3 * i)] for i in range(18)]
+ENGINE = dict(block_size=8, max_model_len=256, num_kv_blocks=640, enable_prefix_caching=False)
+PROMPTS = [[(7 * i + j) % 250 + 3 for j in range(5 + 3 * (i % 18))] for i in range(MAX_SIZE + 2)]
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +53,7 @@ def test_replays_give_the_eager_tokens(checkpoints, arch, quantization, monkeypa
     runner = graph_runner(llm)
     # FP8 dequantizes its weights for a float GEMM from Fp8LinearMethod.gemm_rows rows on.
     largest = MAX_SIZE if quantization != "fp8" else min(MAX_SIZE, Fp8LinearMethod.gemm_rows - 1)
-    sizes = list(range(1, largest + 1))
+    sizes = [s for s in CpuGraphRunner.sizes_for(MAX_SIZE) if s <= largest]
     assert isinstance(runner, CpuGraphRunner) and sorted(runner.graphs) == sizes
     steps_of = f"CPU decode graphs for steps of {', '.join(map(str, sizes))} tokens"
     assert any(m.startswith(steps_of) for _, _, m in tokenmill_log)
@@ -65,10 +65,18 @@ def test_replays_give_the_eager_tokens(checkpoints, arch, quantization, monkeypa
     )
     eager = LLM(model=model, quantization=quantization, enforce_eager=True, **ENGINE)
     assert graph_runner(eager) is None
-    for n in (1, 3, largest, MAX_SIZE + 2):
+    for n in (1, 3, 18, largest, MAX_SIZE + 2):
         assert generate(llm, n) == generate(eager, n), f"{n} requests"
-    # Decode steps of 1, 3 and `largest` requests replay their own graphs; more run eagerly.
+    # Decode steps of 1, 3 and `largest` requests replay their own graphs, 18 the graph of 20
+    # (padded); more run eagerly.
     assert {1, 3, largest} <= set(replayed)
+    assert 20 in replayed or largest < 20
+
+
+def test_graph_sizes_are_every_size_to_16_then_every_4th_to_32_then_every_8th():
+    assert CpuGraphRunner.sizes_for(10) == list(range(1, 11))
+    assert CpuGraphRunner.sizes_for(30) == [*range(1, 17), 20, 24, 28, 30]
+    assert CpuGraphRunner.sizes_for(1000) == [*range(1, 17), 20, 24, 28, 32, 40, 48, 56, 64]
 
 
 def test_float32_decode_is_captured_while_it_streams_the_weights(tiny):
