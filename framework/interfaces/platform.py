@@ -114,11 +114,11 @@ class Platform:
 
     @classmethod
     def place_weights(cls, model: nn.Module) -> None:
-        """Move a just-loaded model's parameters and buffers to the memory this platform reads
-        them fastest from. Called once for each model loaded (the target by the worker, a draft
-        model or head by its proposer), before anything records where a weight lies (decode
-        graphs, LoRA wrappers). The default leaves them
-        where loading put them; the CPU platform moves them onto huge pages."""
+        """Move a just-loaded model's parameters to the memory this platform reads them
+        fastest from. Called once for each model loaded (the target by the worker, a draft model
+        or head by its proposer), before anything records where a weight lies (decode graphs,
+        LoRA wrappers). The default leaves them where loading put them; the CPU platform moves
+        them onto huge pages."""
 
     @classmethod
     def import_kernels(cls) -> None:

@@ -1,6 +1,7 @@
 """Weights moved onto huge pages (``platforms/cpu_memory.py``): one 2 MiB-aligned mapping, the
-same values, ties and views kept, buffers left where they are, huge pages where the kernel allows them, and the engine's
-model moved before it runs."""
+same values, ties and views kept, buffers left where they are, a parameter another model moved
+left there, huge pages where the kernel allows them, and the engine's model moved with its
+answers unchanged."""
 
 from __future__ import annotations
 
