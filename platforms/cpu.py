@@ -162,7 +162,7 @@ class CpuPlatform(Platform):
 
     @classmethod
     def place_weights(cls, model: nn.Module) -> None:
-        """All weights in one mapping on transparent huge pages (``platforms/cpu_memory.py``)."""
+        """The parameters in one mapping on transparent huge pages (``platforms/cpu_memory.py``)."""
         move_to_huge_pages(model)
 
     @classmethod

@@ -2,12 +2,12 @@
 
 Decode streams every weight once per token. On 4 KiB pages that stream walks a TLB entry per
 page (135,000 for the default model's 540 MB of float32), and the weights lie scattered over
-the heap and many mappings; on 2 MiB pages it needs a few hundred. The default model in
-float32 on 2 cores of an AMD EPYC (Zen 4) held to AVX2, the checkout before and after
-alternated (``benchmarks/single_stream.py --python <before> --python <after> --quantization
-none --threads 2 --rounds 4``): 12.1-12.7 ms per decode token as loaded, 10.8-11.0 ms moved
-(16.0-16.6 against 14.3-14.4 in rounds where the machine's read bandwidth had halved). The quantized
-formats, which read a quarter of the bytes or less, gained nothing measurable (``gguf``, ``int8``,
+the heap and many mappings; on 2 MiB pages it needs a few hundred. The default model in float32
+on 2 cores of an AMD EPYC (Zen 4) held to AVX2, the checkout before and after alternated
+(``benchmarks/single_stream.py --python <before> --python <after> --quantization none --threads
+2 --rounds 4``): 12.1-12.7 ms per decode token as loaded, 10.8-11.0 ms moved (16.0-16.6 against
+14.3-14.4 in rounds where the machine's read bandwidth had halved). The quantized formats,
+which read a quarter of the bytes or less, gained nothing measurable (``gguf``, ``int8``,
 ``w8a8`` within their noise).
 
 Torch's allocator hands out huge pages only with ``THP_MEM_ALLOC_ENABLE=1`` set before it
@@ -39,14 +39,13 @@ def _aligned(nbytes: int) -> int:
 
 
 def move_to_huge_pages(model: nn.Module) -> int:
-    """Copy every CPU parameter of ``model`` into one mapping advised for huge pages and point
-    the parameters at their copies, so every holder of a parameter sees the move. Parameters
-    that shared a storage (tied weights, views) still share one; each old storage is freed as
-    soon as its parameters point at the copy, so the move needs little memory beyond the
-    weights (peak RSS of the default model's float32 engine 1.78 GB either way; copying all
-    before freeing any had added 0.16 GB). Buffers stay: they are read a row at a time, and one module's may serve several
-    models (the RoPE cache), which would keep this model's mapping alive after it is gone.
-    Returns the bytes moved (0 where the OS gives no huge-page advice)."""
+    """Copy every CPU parameter of ``model`` into one mapping advised for huge pages and point the
+    parameters at their copies, so every holder of a parameter sees the move. Parameters that
+    shared a storage (tied weights, views) still share one; each old storage is freed as soon
+    as its parameters point at the copy, so the move needs little memory beyond the weights.
+    Buffers stay: they are read a row at a time, and one
+    module's may serve several models (the RoPE cache), which would keep this model's mapping
+    alive after it is gone. Returns the bytes moved (0 where the OS gives no huge-page advice)."""
     if not hasattr(mmap, "MADV_HUGEPAGE"):
         return 0
     by_storage: dict[int, list[nn.Parameter]] = {}
