@@ -76,7 +76,7 @@ def move_to_huge_pages(model: nn.Module) -> int:
                     arena, offset // p.element_size() + p.storage_offset(), p.size(), p.stride()
                 )
             offset += _aligned(nbytes)
-    _return_freed_heap()
+    return_freed_heap()
     return total
 
 
@@ -84,9 +84,10 @@ def _in_a_mapping(ptr: int) -> bool:
     return any(start <= ptr < end for start, end in _MAPPINGS.items())
 
 
-def _return_freed_heap() -> None:
-    """Give the pages the old copies leave free back to the OS: glibc keeps freed heap memory
-    below its top (170 MB of the default model's float32 weights) until ``malloc_trim``."""
+def return_freed_heap() -> None:
+    """Give freed heap pages back to the OS: glibc keeps freed memory below the heap's top (the
+    170 MB of the default model's float32 weights ``move_to_huge_pages`` copied, a failed
+    graph capture's tensors) until ``malloc_trim``."""
     trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
     if trim is not None:
         trim(0)

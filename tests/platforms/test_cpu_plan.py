@@ -45,6 +45,7 @@ def decoder_layer(t: int, gen: torch.Generator):
     up_w, up_scale = quantize_int8(torch.randn(2 * INTER, HIDDEN, generator=gen))
     down_w, down_scale = quantize_int8(torch.randn(HIDDEN, INTER, generator=gen))
     down_panels = pack_panels(down_w)
+    rows = torch.arange(t)
 
     def run() -> list[torch.Tensor]:
         hidden = cpu_ops.embedding(ids, table)
@@ -57,7 +58,7 @@ def decoder_layer(t: int, gen: torch.Generator):
         cpu_ops.kv_cache_write(kv[0], kv[1], slots, k.view(t, KVH, D), v.view(t, KVH, D))
         attn = torch.empty(t, H, D)
         cpu_ops.paged_decode_attention(
-            q.view(t, H, D), attn, torch.arange(t), kv[0], kv[1], block_table, seq_lens, BLOCKS * BLOCK, D**-0.5
+            q.view(t, H, D), attn, rows, kv[0], kv[1], block_table, seq_lens, BLOCKS * BLOCK, D**-0.5
         )
         o = torch.empty(t, HIDDEN)
         cpu_ops.load().gguf_matmul_q8(
