@@ -34,7 +34,9 @@ from tokenmill.spec_decode.model_proposer import Draft, ModelProposer, step_indi
 class DraftModelProposer(ModelProposer):
     def load_model(self, target: nn.Module, build_ctx: BuildContext) -> None:
         assert self.spec.model is not None
-        self._attach(load_model(self.spec.model, self.config.draft_hf_config, build_ctx, self.device))
+        model = load_model(self.spec.model, self.config.draft_hf_config, build_ctx, self.device)
+        self._attach(model)
+        self.draft_cost = _weight_bytes(model) / _weight_bytes(target)
 
     def _first_pass(
         self, batch: ProposalBatch, rows: np.ndarray
@@ -60,3 +62,10 @@ class DraftModelProposer(ModelProposer):
         hidden = self._run(flat, tokens, flat.positions)
         view, rows = state
         return Draft(*sample_draft(self.model.compute_logits(hidden), view, rows, index)), state
+
+
+def _weight_bytes(model: nn.Module) -> int:
+    """The bytes of a model's weights (parameters and buffers, quantized ones included): what
+    a decode step reads, give or take the embedding rows it skips."""
+    tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    return sum(t.numel() * t.element_size() for t in tensors.values())

@@ -17,7 +17,11 @@ Adaptive (``SpeculativeConfig.adaptive_draft_length``), per step with ``n`` runn
   on the CPU a verification's extra rows can take a step off its decode graph onto eager
   kernels. A small ridge keeps the jumps at 0 while the steps cannot tell them from the
   per-token costs. Until the fit is ready (steps without drafts, steps that proposed, steps
-  that verified), a request drafts at most ``COLD_LENGTH`` tokens.
+  that verified), a request drafts at most ``COLD_LENGTH`` tokens, where its acceptance is at
+  least ``PRIOR_THETA`` or the proposer's own estimate of a draft's cost
+  (``Proposer.draft_cost``), whichever is higher. Where that estimate is 1 or more no draft
+  can pay, and none is drafted to measure it: a draft model as large as the target would cost
+  each new request a prefill of its own to find out.
 - A request drafts the longest prefix of positions whose acceptance chance is at least
   ``theta = m n / a`` (0: none); when all its drafts were accepted, the estimate of the
   position after them moves toward the last one's (so the length can grow back, and be
@@ -51,9 +55,12 @@ length leave after the one it samples (none on its last step)."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import numpy as np
+
+logger = logging.getLogger(__name__)
 
 ACCEPTANCE_ALPHA = 0.3
 """Weight of a request's newest verification in its acceptance EWMA."""
@@ -187,12 +194,15 @@ class DraftLengthPolicy:
         max_length: ``num_speculative_tokens``.
         adaptive: adaptive lengths (else ``max_length`` for all).
         disable_by_batch_size: no drafts with this many running requests or more (0: no cap).
+        draft_cost: the proposer's estimate of a draft token's cost before any is timed, as a
+            share of a one-request target step (``Proposer.draft_cost``).
         length_counts: how often each length was chosen for a request (index = length).
     """
 
     max_length: int
     adaptive: bool
     disable_by_batch_size: int = 0
+    draft_cost: float = 0.0
     length_counts: list[int] = field(default_factory=list)
     prior: list[float] = field(default_factory=list)
     fits: dict[int, StepCostFit] = field(default_factory=dict)
@@ -207,6 +217,12 @@ class DraftLengthPolicy:
     def __post_init__(self) -> None:
         self.length_counts = [0] * (self.max_length + 1)
         self.prior = [PRIOR_ACCEPTANCE] * self.max_length
+        if self.adaptive and self.draft_cost >= 1:
+            logger.warning(
+                "speculative decoding drafts nothing: a draft token costs %.2f of a target step "
+                "(the draft model's weights over the target's), so no draft can pay",
+                self.draft_cost,
+            )
 
     def lengths(self, rooms: dict[str, int], num_running: int) -> dict[str, int]:
         """The draft length of each request that samples this step (``rooms``: the most
@@ -230,7 +246,10 @@ class DraftLengthPolicy:
         step = self.steps[bucket] = self.steps.get(bucket, 0) + 1
         own = self._cost(bucket)
         cost = own or next(filter(None, map(self._cost, reversed(range(bucket)))), None)
-        pays = self._can_pay(cost, num_running) if cost is not None else None
+        if cost is not None:
+            pays: bool | None = self._can_pay(cost, num_running)
+        else:
+            pays = False if self.draft_cost >= 1 else None
         out: dict[str, int] = {}
         if step % PROBE_EVERY not in (0, PROBE_EVERY - 1) and step not in EARLY_PROBES and pays is not False:
             out = self._drafts(req_ids, rooms, num_running, cost, step)
@@ -255,7 +274,7 @@ class DraftLengthPolicy:
         """Each request's longest paying run of drafts, none if together they do not pay for
         the step; the one-token probes due, if they pay or other drafts do, else every
         ``PROBE_SYNC``-th step."""
-        theta = PRIOR_THETA if cost is None else cost.theta(num_running)
+        theta = max(PRIOR_THETA, self.draft_cost) if cost is None else cost.theta(num_running)
         out: dict[str, int] = {}
         expected = 0.0
         for req_id in req_ids:

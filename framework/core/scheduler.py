@@ -66,6 +66,9 @@ class SchedulerConfig:
     adaptive_draft_length: bool = False
     """Each request's draft length follows its acceptance and the drafts' measured cost
     (``DraftLengthPolicy``)."""
+    draft_cost: float = 0.0
+    """The proposer's estimate of a draft token's cost before any is timed
+    (``Proposer.draft_cost``)."""
     max_loras: int = 0
     """Most distinct LoRA adapters among the running requests; 0: LoRA is off."""
     send_token_ids: bool = False
@@ -137,7 +140,10 @@ class Scheduler:
         """Requests of the steps executing: not scheduled again before their output is in."""
         self.spec_stats = SpecDecodingStats(config.num_speculative_tokens)
         self.draft_policy = DraftLengthPolicy(
-            config.num_speculative_tokens, config.adaptive_draft_length, config.disable_by_batch_size
+            config.num_speculative_tokens,
+            config.adaptive_draft_length,
+            config.disable_by_batch_size,
+            draft_cost=config.draft_cost,
         )
 
     def add_request(self, request: Request) -> None:

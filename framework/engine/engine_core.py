@@ -101,6 +101,7 @@ class EngineCore:
                 num_lookahead_tokens=self.executor.worker_info.num_lookahead_tokens,
                 disable_by_batch_size=spec.disable_by_batch_size if spec else 0,
                 adaptive_draft_length=spec.adaptive_draft_length if spec else False,
+                draft_cost=self.executor.worker_info.draft_cost,
                 max_loras=config.max_loras if config.enable_lora else 0,
                 send_token_ids=config.pipeline_parallel_size > 1,
             ),

@@ -165,6 +165,13 @@ class Proposer(ABC):
     """KV slots past the scheduled tokens each request needs for this proposer's own cache
     writes in the same step (a draft model writing its k - 1 draft positions)."""
 
+    draft_cost: float = 0.0
+    """What drafting one token costs, as a share of a target decode step of one request, as far
+    as the proposer can tell once loaded, before any step is timed (a draft model: its weights'
+    bytes over the target's); 0: too little to tell. The adaptive draft-length policy takes it
+    as the break-even acceptance until it has timed drafts; at 1 or more no draft can pay, and
+    none is drafted to find out (a draft model as large as the target)."""
+
     def __init__(self, spec: SpeculativeConfig, config: EngineConfig, device: torch.device) -> None:
         self.spec = spec
         self.config = config

@@ -26,12 +26,14 @@ from tokenmill.worker.model_runner import ModelRunner, ModelRunnerOutput
 @dataclass
 class WorkerInfo:
     """What the engine core learns from rank 0 once the model is loaded: what runs (for its
-    log line) and how many lookahead slots the proposer needs."""
+    log line), how many lookahead slots the proposer needs and what its drafts cost
+    (``Proposer.draft_cost``)."""
 
     model_cls: str
     attention: str
     """Which attention backend each kind of layer got, and why."""
     num_lookahead_tokens: int
+    draft_cost: float
 
 
 def determine_num_blocks(config: EngineConfig, specs: dict[str, KVCacheSpec]) -> int:
@@ -99,6 +101,7 @@ class Worker:
             f"{model_cls.__module__}.{model_cls.__qualname__}",
             runner.attn_selector.describe(),
             runner.proposer.num_lookahead_tokens if runner.proposer else 0,
+            runner.proposer.draft_cost if runner.proposer else 0.0,
         )
 
     def get_kv_cache_specs(self) -> dict[str, KVCacheSpec]:

@@ -72,6 +72,28 @@ def test_rejected_drafts_drive_the_length_to_zero_and_accepted_ones_back_up():
     assert stats["spec_draft_length_0"] > 300 and stats["spec_draft_length_4"] > 120
 
 
+def test_a_proposer_as_costly_as_the_target_never_drafts_and_a_cheaper_one_starts_cold():
+    """A draft token the proposer itself reckons costs a whole target step (a draft model as
+    large as the target) can never pay, and measuring it would cost each new request a prefill
+    of the draft model: no draft at any batch size. Below 1 the estimate is the break-even
+    acceptance of the cold steps (the prior acceptance 0.7 clears 0.5, not 0.8)."""
+    def accepted(k: int) -> int:
+        return k
+
+    def dear(v: int, p: int) -> float:
+        return 1 + p + 0.1 * v
+
+    for n in (1, 4):
+        def requests(step: int, n: int = n) -> dict[str, int]:
+            return {f"r{i}": ROOM for i in range(n)}
+
+        policy = DraftLengthPolicy(max_length=3, adaptive=True, draft_cost=1.0)
+        assert sum(_simulate(policy, 300, accepted, dear, requests)) == 0
+        assert policy.as_dict()["spec_draft_length_0"] == 300 * n
+    assert _simulate(DraftLengthPolicy(max_length=3, adaptive=True, draft_cost=0.5), 2, accepted, _cheap)[0] == COLD_LENGTH
+    assert _simulate(DraftLengthPolicy(max_length=3, adaptive=True, draft_cost=0.8), 2, accepted, _cheap)[0] == 0
+
+
 def test_short_requests_start_from_the_probe_interval_the_last_probe_left():
     """Drafts never accepted, each costing 0.3 of a step, requests of 24 steps one after
     another: once probes are rejected, a new request waits as long as the last probe left

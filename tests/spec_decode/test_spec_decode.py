@@ -49,7 +49,7 @@ def _spec(tiny, method: str, **extra) -> dict:
     [
         ("ngram", {"prompt_lookup_min": 1, "prompt_lookup_max": 3}),
         ("draft_model", {}),
-        ("draft_model", {"model": "target"}),
+        ("draft_model", {"model": "target", "adaptive_draft_length": False}),
     ],
     ids=["ngram", "random-draft", "self-draft"],
 )
@@ -95,20 +95,24 @@ def test_disable_by_batch_size_turns_speculation_off(tiny, prompts, reference):
 @pytest.mark.parametrize("draft", ["target", "draft"], ids=["self-draft", "random-draft"])
 def test_adaptive_draft_lengths_follow_acceptance_and_keep_outputs(tiny, prompts, reference, draft):
     """Adaptive lengths (the default of draft_model): a random draft model, whose drafts are
-    rejected, soon drafts nothing on most steps; a self-draft has all its drafts accepted (how
-    many it drafts follows what they cost: a draft model as large as the target does not
-    pay); outputs equal the non-speculative run's."""
+    rejected, soon drafts nothing on most steps; a self-draft, whose drafts cost as much as the
+    target's steps (``Proposer.draft_cost`` 1), drafts nothing at all, not even to measure
+    that (each request's first draft would cost a prefill of the draft model); outputs equal
+    the non-speculative run's."""
     spec = {"model": tiny[draft], "num_speculative_tokens": 3}
     llm = LLM(model=tiny["target"], num_kv_blocks=256, max_model_len=256, speculative_config=spec)
     assert generate(llm, prompts) == reference
     stats = llm.get_stats()
     lengths = [stats[f"spec_draft_length_{k}"] for k in range(4)]
-    assert sum(lengths[1:]) > 0
+    info = llm.llm_engine.engine_core.engine_core.executor.worker_info
     if draft == "draft":
+        assert 0 < info.draft_cost < 0.5
+        assert sum(lengths[1:]) > 0
         assert stats["spec_num_accepted_tokens"] < 0.2 * stats["spec_num_draft_tokens"]
         assert lengths[0] > 2 * sum(lengths[1:])
     else:
-        assert stats["spec_num_accepted_tokens"] == stats["spec_num_draft_tokens"]
+        assert info.draft_cost == 1.0
+        assert lengths[0] > 0 and sum(lengths[1:]) == stats["spec_num_draft_tokens"] == 0
 
 
 TOGGLING_LONG, TOGGLING_SHORT = [1, 2, 3, 4, 5], [[7, 8, 9], [10, 11, 12, 13]]
@@ -157,7 +161,8 @@ def test_allowed_tokens_and_logit_bias_apply_at_verified_positions(tiny, prompts
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, allowed_token_ids=allowed, logit_bias={7: 4.0})
     ref = LLM(model=tiny["target"], num_kv_blocks=64, max_model_len=256)
     spec = LLM(model=tiny["target"], num_kv_blocks=64, max_model_len=256,
-               speculative_config={"model": tiny["target"], "num_speculative_tokens": 3, "disable_by_batch_size": 0})
+               speculative_config={"model": tiny["target"], "num_speculative_tokens": 3, "disable_by_batch_size": 0,
+                                  "adaptive_draft_length": False})
     expected = generate(ref, prompts[:3], params)
     assert all(t in allowed for out in expected for t in out)
     assert generate(spec, prompts[:3], params) == expected
@@ -168,7 +173,8 @@ def test_logprobs_of_accepted_tokens_match_non_speculative(tiny, prompts):
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
     ref = LLM(model=tiny["target"], num_kv_blocks=64, max_model_len=256)
     spec = LLM(model=tiny["target"], num_kv_blocks=64, max_model_len=256,
-               speculative_config={"model": tiny["target"], "num_speculative_tokens": 3, "disable_by_batch_size": 0})
+               speculative_config={"model": tiny["target"], "num_speculative_tokens": 3, "disable_by_batch_size": 0,
+                                  "adaptive_draft_length": False})
     a = ref.generate(prompts[:2], params, use_tqdm=False)
     b = spec.generate(prompts[:2], params, use_tqdm=False)
     assert spec.get_stats()["spec_num_accepted_tokens"] > 0
@@ -332,7 +338,7 @@ def test_default_model_greedy_equals_non_speculative(default_model_dir, default_
     if method == "ngram":
         spec |= {"prompt_lookup_min": 2, "prompt_lookup_max": 4}
     if method == "self-draft":
-        spec = {"method": "draft_model", "model": default_model_dir}
+        spec = {"method": "draft_model", "model": default_model_dir, "adaptive_draft_length": False}
     spec |= {"num_speculative_tokens": 3, "disable_by_batch_size": 0}
     llm = LLM(max_model_len=256, speculative_config=spec, **DEFAULT_ENGINES[engine])
     out, stats = _generate_counting(llm, prompts, DEFAULT_GREEDY)
@@ -367,9 +373,10 @@ def test_default_model_drafting_for_itself_through_toggling(default_model_dir, d
 def test_prompt_lookup_raises_a_heads_acceptance(default_reference):
     """The shipped EAGLE-3 head with ``prompt_lookup_*``: these prompts repeat themselves, so
     the lookup's drafts are accepted more often than the head's; outputs stay exact under
-    chunked prefill and preemption too."""
+    chunked prefill and preemption too. Fixed lengths: adaptive ones follow step timings, and
+    so would the counts compared."""
     prompts, reference = default_reference
-    spec = {"method": "eagle3", "num_speculative_tokens": 3, "disable_by_batch_size": 0}
+    spec = {"method": "eagle3", "num_speculative_tokens": 3, "disable_by_batch_size": 0, "adaptive_draft_length": False}
     accepted = {}
     for engine, lookup in (("plain", False), ("plain", True), ("chunked", True), ("preempting", True)):
         extra = {"prompt_lookup_min": 2, "prompt_lookup_max": 4} if lookup else {}
