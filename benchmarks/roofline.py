@@ -21,6 +21,8 @@ import torch
 from gemm import best_time
 from torch import nn
 
+from tokenmill.model_loader.loader import decode_weight_bytes
+
 
 def read_bandwidth(mib: int = 512, repeats: int = 5) -> float:
     """Bytes per second ``Tensor.sum`` reads from a ``mib`` MiB float32 buffer, on torch's
@@ -36,21 +38,12 @@ def gemm_flops(size: int = 1024, repeats: int = 5) -> float:
 
 
 def decode_bytes_per_token(model: nn.Module, hf_config, context_len: int, kv_bytes: int) -> int:
-    """Bytes one decode token reads: every weight once (the model's parameters as loaded, a
-    tensor shared by two modules once; an input embedding table not shared with the LM head
-    reads one row, counted as none; buffers such as RoPE tables are read a row at a time,
-    counted as none), plus the KV cache of ``context_len`` tokens at ``kv_bytes`` per element."""
-    seen = {p.data_ptr(): p.nbytes for p in model.parameters()}
-    for name, module in model.named_modules():
-        if isinstance(module, nn.Embedding) or name.endswith("embed_tokens"):
-            weight = getattr(module, "weight", None)
-            head = getattr(getattr(model, "lm_head", None), "weight", None)
-            if weight is not None and (head is None or head.data_ptr() != weight.data_ptr()):
-                seen.pop(weight.data_ptr(), None)
+    """Bytes one decode token reads: its weights (``decode_weight_bytes``), plus the KV cache
+    of ``context_len`` tokens at ``kv_bytes`` per element."""
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
     kv = 2 * hf_config.num_hidden_layers * kv_heads * head_dim * kv_bytes * context_len
-    return sum(seen.values()) + kv
+    return decode_weight_bytes(model) + kv
 
 
 def main() -> None:

@@ -26,7 +26,7 @@ from torch import nn
 
 from tokenmill.interfaces.proposer import FlatInputs, ProposalBatch
 from tokenmill.interfaces.build_context import BuildContext
-from tokenmill.model_loader.loader import load_model
+from tokenmill.model_loader.loader import decode_weight_bytes, load_model
 from tokenmill.sample.sampler import sample_draft
 from tokenmill.spec_decode.model_proposer import Draft, ModelProposer, step_indices
 
@@ -36,7 +36,7 @@ class DraftModelProposer(ModelProposer):
         assert self.spec.model is not None
         model = load_model(self.spec.model, self.config.draft_hf_config, build_ctx, self.device)
         self._attach(model)
-        self.draft_cost = _weight_bytes(model) / _weight_bytes(target)
+        self.draft_cost = decode_weight_bytes(model) / decode_weight_bytes(target)
 
     def _first_pass(
         self, batch: ProposalBatch, rows: np.ndarray
@@ -63,9 +63,3 @@ class DraftModelProposer(ModelProposer):
         view, rows = state
         return Draft(*sample_draft(self.model.compute_logits(hidden), view, rows, index)), state
 
-
-def _weight_bytes(model: nn.Module) -> int:
-    """The bytes of a model's weights (parameters and buffers, quantized ones included): what
-    a decode step reads, give or take the embedding rows it skips."""
-    tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}
-    return sum(t.numel() * t.element_size() for t in tensors.values())

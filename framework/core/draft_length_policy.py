@@ -219,8 +219,8 @@ class DraftLengthPolicy:
         self.prior = [PRIOR_ACCEPTANCE] * self.max_length
         if self.adaptive and self.draft_cost >= 1:
             logger.warning(
-                "speculative decoding drafts nothing: a draft token costs %.2f of a target step "
-                "(the draft model's weights over the target's), so no draft can pay",
+                "speculative decoding drafts nothing: the proposer reckons a draft token costs "
+                "%.2f of a target step (Proposer.draft_cost), so no draft can pay",
                 self.draft_cost,
             )
 

@@ -76,3 +76,18 @@ def load_model(
             if callable(hook := getattr(module, "process_weights_after_loading", None)):
                 hook()
     return model.eval()
+
+
+def decode_weight_bytes(model: nn.Module) -> int:
+    """The bytes of weights one decode token reads: every parameter as loaded (quantized ones
+    at their packed size), a tensor shared by two modules once; an input embedding table not
+    shared with the LM head reads one row, counted as none; buffers such as RoPE tables are
+    read a row at a time, counted as none."""
+    seen = {p.data_ptr(): p.nbytes for p in model.parameters()}
+    head = getattr(getattr(model, "lm_head", None), "weight", None)
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Embedding) or name.endswith("embed_tokens"):
+            weight = getattr(module, "weight", None)
+            if weight is not None and (head is None or head.data_ptr() != weight.data_ptr()):
+                seen.pop(weight.data_ptr(), None)
+    return sum(seen.values())

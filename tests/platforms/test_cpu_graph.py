@@ -118,12 +118,13 @@ def test_a_torch_op_in_the_forward_runs_eagerly(tiny, tokenmill_log, monkeypatch
 
 
 def test_a_float8_kv_cache_runs_eagerly(tiny, tokenmill_log):
-    """A float8 KV cache is written by torch (mask, quantize, index_copy_): the capture of the
-    padded dummy batch runs, and stops at the first of those ops."""
+    """A float8 KV cache is written by torch (the valid-slot mask, quantize, index_copy_): the
+    capture of the padded dummy batch runs, and stops at the first of those ops, the mask's
+    ``ge``."""
     llm = LLM(model=tiny, quantization="int8", kv_cache_dtype="fp8", **ENGINE)
     assert graph_runner(llm) is None
     assert any(
-        "CPU decode graphs off: the forward runs torch op aten." in m
+        "CPU decode graphs off: the forward runs torch op aten.ge" in m
         for _, _, m in tokenmill_log
     )
     eager = LLM(model=tiny, quantization="int8", kv_cache_dtype="fp8", enforce_eager=True, **ENGINE)
