@@ -22,7 +22,8 @@ As CUDA graphs share one memory pool, the graphs share the largest one's interme
 it is captured first, and each smaller one's n-th allocation lies on the largest's n-th
 (``_Recorder.pool``). Graphs replay one at a time and a replay's output is used before the
 next, so they never need those tensors at once. The default model in float32 or int8 keeps
-0.33 GB less resident for it (``LLM()`` on 2 AVX2 cores: 2.16 → 1.83 GB, 1.35 → 1.02 GB).
+0.33 GB less resident for it (``VmRSS`` right after ``LLM(kv_cache_memory_bytes=2**28)`` on 2
+AVX2 cores: 2.16 → 1.83 GB, 1.35 → 1.02 GB).
 Graphs stop at
 ``MAX_SIZE`` rows; beyond 16, a step pads to the next captured size (``sizes_for``). Up to
 there a step's Python still shows: the default model in float32, 2 AVX2 cores of an AMD EPYC,
