@@ -192,6 +192,22 @@ def assert_greedy_close(ours: list[int], our_logprobs: list[dict[int, Logprob]],
     assert len(ours) == len(ref)
 
 
+def assert_same_completions(got, want, tol: float = 1e-4) -> None:
+    """Two lists of ``RequestOutput`` hold the same completions: equal token ids, text, finish
+    reasons and top-logprob tokens with their ranks, logprobs within ``tol``. Two engines (one
+    with a connector, one without) may differ in a float's last bits; logprobs rounded to a few
+    places then fail on either side of a rounding boundary."""
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        for go, wo in zip(g.outputs, w.outputs, strict=True):
+            assert (go.token_ids, go.text, go.finish_reason) == (wo.token_ids, wo.text, wo.finish_reason)
+            assert (go.logprobs is None) == (wo.logprobs is None)
+            for gs, ws in zip(go.logprobs or [], wo.logprobs or [], strict=True):
+                assert {t: lp.rank for t, lp in gs.items()} == {t: lp.rank for t, lp in ws.items()}
+                for t, lp in gs.items():
+                    assert lp.logprob == pytest.approx(ws[t].logprob, abs=tol)
+
+
 def save_byte_tokenizer(path) -> None:
     """Save a byte-level tokenizer under ``path`` whose 256 ids are the 256 bytes (no merges),
     matching ``make_tiny_checkpoint``'s vocabulary."""

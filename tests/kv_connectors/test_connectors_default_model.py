@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from tokenmill import LLM, SamplingParams
+from conftest import assert_same_completions
+from tokenmill import LLM, RequestOutput, SamplingParams
 
 pytestmark = pytest.mark.slow
 """Five default-model engines: minutes on two shared cores (tests/kv_connectors/ covers the
@@ -19,24 +20,20 @@ PARAMS = SamplingParams(max_tokens=8, temperature=0.0, logprobs=3)
 LOADED = (len(PROMPT) - 1) // 16 * 16
 
 
-def _run(llm: LLM, prompts: list[list[int]]) -> list[tuple]:
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS, use_tqdm=False)
-    return [
-        (o.outputs[0].token_ids, [{t: round(lp.logprob, 3) for t, lp in s.items()} for s in o.outputs[0].logprobs])
-        for o in outs
-    ]
+def _run(llm: LLM, prompts: list[list[int]]) -> list[RequestOutput]:
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS, use_tqdm=False)
 
 
 @pytest.fixture(scope="module")
-def baseline() -> list[tuple]:
+def baseline() -> list[RequestOutput]:
     return _run(LLM(num_kv_blocks=BLOCKS), [PROMPT, FILLER, PROMPT])
 
 
 def test_storage_connector_equal(baseline, tmp_path):
     config = {"kv_connector": "storage", "kv_connector_extra_config": {"shared_storage_path": str(tmp_path)}}
-    assert _run(LLM(num_kv_blocks=BLOCKS, kv_transfer_config=config), [PROMPT]) == baseline[:1]
+    assert_same_completions(_run(LLM(num_kv_blocks=BLOCKS, kv_transfer_config=config), [PROMPT]), baseline[:1])
     consumer = LLM(num_kv_blocks=BLOCKS, kv_transfer_config=config)
-    assert _run(consumer, [PROMPT]) == baseline[:1]
+    assert_same_completions(_run(consumer, [PROMPT]), baseline[:1])
     assert consumer.get_stats()["external_prefix_cache_hit_tokens"] == LOADED
 
 
@@ -44,5 +41,5 @@ def test_offload_connector_equal(baseline):
     config = {"kv_connector": "offload", "kv_connector_extra_config": {"host_gib": 0.5}}
     llm = LLM(num_kv_blocks=BLOCKS, kv_transfer_config=config)
     out = [*_run(llm, [PROMPT]), *_run(llm, [FILLER]), *_run(llm, [PROMPT])]
-    assert out == baseline
+    assert_same_completions(out, baseline)
     assert llm.get_stats()["external_prefix_cache_hit_tokens"] > 0

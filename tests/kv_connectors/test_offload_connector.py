@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import make_tiny_checkpoint
-from tokenmill import LLM, SamplingParams
+from conftest import assert_same_completions, make_tiny_checkpoint
+from tokenmill import LLM, RequestOutput, SamplingParams
 from tokenmill.core.kv_cache_utils import sha256_block_hash
 
 BLOCK = 16
@@ -29,24 +29,16 @@ def tiny(tmp_path_factory) -> str:
     return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), "llama")
 
 
-def _outputs(outs) -> list[tuple]:
-    return [
-        (o.outputs[0].token_ids, o.outputs[0].finish_reason,
-         [{t: round(lp.logprob, 4) for t, lp in s.items()} for s in o.outputs[0].logprobs])
-        for o in outs
-    ]
-
-
-def _workload(llm: LLM) -> list[tuple]:
+def _workload(llm: LLM) -> list[RequestOutput]:
     """The turns, each filler on its own (so the prefix is evicted), the turns again."""
     out = []
     for batch in (TURNS, *[[f] for f in FILLERS], TURNS):
-        out += _outputs(llm.generate(batch, PARAMS, use_tqdm=False))
+        out += llm.generate(batch, PARAMS, use_tqdm=False)
     return out
 
 
 @pytest.fixture(scope="module")
-def baseline(tiny) -> list[tuple]:
+def baseline(tiny) -> list[RequestOutput]:
     return _workload(LLM(tiny, num_kv_blocks=NUM_BLOCKS, block_size=BLOCK))
 
 
@@ -57,18 +49,18 @@ def _offload(tiny: str, **extra) -> LLM:
 
 def test_evicted_prefix_comes_back_from_the_host_tier(tiny, baseline):
     llm = _offload(tiny, host_gib=0.01)
-    assert _workload(llm) == baseline
+    assert_same_completions(_workload(llm), baseline)
     stats = llm.get_stats()
     assert stats["external_prefix_cache_hit_tokens"] == len(SHARED)
 
 
 def test_disk_tier_survives_a_restart(tiny, baseline, tmp_path):
     first = _offload(tiny, host_gib=0, disk_gib=0.01, disk_path=str(tmp_path))
-    assert _workload(first) == baseline
+    assert_same_completions(_workload(first), baseline)
     assert first.get_stats()["external_prefix_cache_hit_tokens"] == len(SHARED)
     del first
     restarted = _offload(tiny, host_gib=0, disk_gib=0.01, disk_path=str(tmp_path))
-    assert _outputs(restarted.generate(TURNS, PARAMS, use_tqdm=False)) == baseline[-2:]
+    assert_same_completions(restarted.generate(TURNS, PARAMS, use_tqdm=False), baseline[-2:])
     stats = restarted.get_stats()
     assert stats["external_prefix_cache_hit_tokens"] == len(SHARED)
     assert stats["prefix_cache_hit_tokens"] == len(SHARED)
@@ -79,7 +71,7 @@ def test_host_tier_spills_to_a_bounded_disk_tier(tiny, baseline, tmp_path):
     connector = llm.llm_engine.engine_core.engine_core.scheduler.connector
     assert connector.block_bytes == 8192
     assert (connector.host_capacity, connector.disk_capacity) == (5, 10)
-    assert _workload(llm) == baseline
+    assert_same_completions(_workload(llm), baseline)
     assert len(list(Path(tmp_path).rglob("*.kvblock"))) == len(connector.disk) == 10
 
 
@@ -102,6 +94,6 @@ def test_corrupt_disk_file_is_a_miss(tiny, baseline, tmp_path, caplog):
     path.write_bytes(bytes(data))
     with caplog.at_level(logging.WARNING):
         restarted = _offload(tiny, host_gib=0, disk_gib=0.01, disk_path=str(tmp_path))
-        assert _outputs(restarted.generate(TURNS[1:], PARAMS, use_tqdm=False)) == baseline[-1:]
+        assert_same_completions(restarted.generate(TURNS[1:], PARAMS, use_tqdm=False), baseline[-1:])
     assert any("header digest mismatch" in r.getMessage() for r in caplog.records)
     assert restarted.get_stats()["external_prefix_cache_hit_tokens"] == 2 * BLOCK

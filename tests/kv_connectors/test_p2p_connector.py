@@ -10,6 +10,8 @@ import socket
 import pytest
 import torch
 
+from conftest import assert_same_completions
+
 from tokenmill.config import EngineConfig
 from tokenmill.core.kv_cache_utils import make_block_hasher
 from tokenmill.core.request import Request
@@ -289,12 +291,7 @@ def test_decode_engine_computes_only_the_last_prompt_token(tiny_dir):
     serving.join(timeout=30)
     assert not serving.is_alive()
     want = prefill.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(**greedy), use_tqdm=False)
-    for g, w in zip(got, want, strict=True):
-        assert g.outputs[0].token_ids == w.outputs[0].token_ids
-        for gs, ws in zip(g.outputs[0].logprobs, w.outputs[0].logprobs, strict=True):
-            assert gs.keys() == ws.keys()
-            for t in gs:
-                assert gs[t].logprob == pytest.approx(ws[t].logprob, abs=1e-4)
+    assert_same_completions(got, want)
     stats = decode.get_stats()
     computed = (
         stats["prefix_cache_query_tokens"]

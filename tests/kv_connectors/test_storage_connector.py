@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import make_tiny_checkpoint
-from tokenmill import LLM, SamplingParams
+from conftest import assert_same_completions, make_tiny_checkpoint
+from tokenmill import LLM, RequestOutput, SamplingParams
 
 BLOCK = 16
 PROMPTS = [[(p * 37 + i * 11) % 250 + 3 for i in range(n)] for p, n in enumerate((40, 70, 101))]
@@ -25,19 +25,13 @@ def tiny(tmp_path_factory) -> str:
     return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), "llama")
 
 
-def _run(llm: LLM, salt: str | None = None) -> list[tuple]:
+def _run(llm: LLM, salt: str | None = None) -> list[RequestOutput]:
     prompts = [{"prompt_token_ids": p, **({"cache_salt": salt} if salt else {})} for p in PROMPTS]
-    outs = llm.generate(prompts, PARAMS, use_tqdm=False)
-    return [
-        (o.outputs[0].token_ids, o.outputs[0].finish_reason, [
-            {t: round(lp.logprob, 4) for t, lp in step.items()} for step in o.outputs[0].logprobs
-        ])
-        for o in outs
-    ]
+    return llm.generate(prompts, PARAMS, use_tqdm=False)
 
 
 @pytest.fixture(scope="module")
-def baseline(tiny) -> list[tuple]:
+def baseline(tiny) -> list[RequestOutput]:
     return _run(LLM(tiny, num_kv_blocks=64, block_size=BLOCK))
 
 
@@ -52,16 +46,16 @@ def _files(path: Path) -> list[Path]:
 
 def test_second_engine_loads_what_the_first_saved(tiny, baseline, tmp_path):
     first = _storage(tiny, tmp_path)
-    assert _run(first) == baseline
+    assert_same_completions(_run(first), baseline)
     assert first.get_stats()["external_prefix_cache_hit_tokens"] == 0
     assert len(_files(tmp_path)) == sum(len(p) // BLOCK for p in PROMPTS)
     second = _storage(tiny, tmp_path)
-    assert _run(second) == baseline
+    assert_same_completions(_run(second), baseline)
     stats = second.get_stats()
     assert stats["external_prefix_cache_hit_tokens"] == EXTERNAL
     assert stats["prefix_cache_hit_tokens"] == 0
     other_tenant = _storage(tiny, tmp_path)
-    assert _run(other_tenant, salt="tenant-b") == baseline
+    assert_same_completions(_run(other_tenant, salt="tenant-b"), baseline)
     assert other_tenant.get_stats()["external_prefix_cache_hit_tokens"] == 0
 
 
@@ -75,7 +69,7 @@ def test_corrupt_and_truncated_files_are_misses(tiny, baseline, tmp_path, caplog
     truncated.write_bytes(truncated.read_bytes()[:-7])
     with caplog.at_level(logging.WARNING):
         llm = _storage(tiny, tmp_path)
-        assert _run(llm) == baseline
+        assert_same_completions(_run(llm), baseline)
     warned = " ".join(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
     assert "payload digest mismatch" in warned and "truncated" in warned
     assert llm.get_stats()["external_prefix_cache_hit_tokens"] < EXTERNAL
