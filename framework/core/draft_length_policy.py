@@ -2,9 +2,15 @@
 
 Adaptive (``SpeculativeConfig.adaptive_draft_length``), per step with ``n`` running requests:
 
-- **Acceptance**, per request and draft position ``j``: an EWMA of whether position ``j`` was
-  accepted when the positions before it were (new requests start from the engine-wide EWMA).
-  The chance that draft ``j`` is accepted is the product over positions ``0..j``.
+- **Acceptance**, per draft position ``j``: the share of verifications of position ``j``
+  (when the positions before it were accepted) that accepted it. Engine-wide, over the last
+  ~50 verifications of each position (``PRIOR_DECAY``); per request, its own decayed counts
+  with the engine-wide share counted as ``PRIOR_WEIGHT`` verifications. A request's counts
+  decay at every step it samples in, so one that stopped drafting drifts back to the
+  engine-wide share. (An EWMA per request with weight 0.3 fell below the break-even after two
+  rejections in a row, a third of the time at an acceptance of 0.4: the EAGLE heads drafted
+  in a third of the steps where one draft a step paid 1.12x.) The chance that draft ``j`` is
+  accepted is the product over positions ``0..j``.
 - **Cost**, per batch-size bucket (1, 2, 3-4, 5-8, ...): an exponentially weighted least
   squares fit of the engine core's measured step seconds over decode-only steps,
   ``seconds = a + b_p [p > 0] + b_v [v > 0] + m_p p + m_v v`` for the ``p`` drafts the step
@@ -30,15 +36,23 @@ Adaptive (``SpeculativeConfig.adaptive_draft_length``), per step with ``n`` runn
   token again after 4 steps, then after 8, 16, ... up to 64 while those probes are rejected,
   so that drafts come back when they pay again; a new request starts from the interval the
   last probe left (as from the engine-wide acceptance), so short requests do not each probe
-  their way down from 4 steps again. Two steps in ``PROBE_EVERY`` of a bucket draft
-  nothing, so that the fit sees steps without drafts.
+  their way down from 4 steps again. A bucket whose fit has seen too few steps without
+  drafts lately (``PAUSE_WEIGHT``) pauses, two steps without drafts, unless its drafts are
+  expected to earn ``CLEAR_MARGIN`` times their cost (prompt lookup on a copy: a pause there
+  loses more than any stale fit, and the bucket keeps the last cost its fit gave).
 
 The batch-size cut-off follows: in a bucket where no draft would pay even if every one were
 accepted (``theta >= 1``, or ``num_speculative_tokens`` drafts per request not worth ``b``
 plus theirs), no request drafts, not even the one-token probes above (one request's probe
 would cost the whole batch ``b``). After ``EXPLORE_EVERY`` steps of such a bucket each
-request drafts one token, so that the fit keeps measuring what drafts cost, then after twice
-as many steps, and so on up to ``EXPLORE_MAX``; as soon as the fit finds drafts costing twice
+request drafts ``num_speculative_tokens`` (an exploration), so that the fit keeps measuring
+what drafts cost where the verdict is made, then after twice as many steps, and so on up to
+``EXPLORE_MAX``. A fit that has seen only short drafts cannot tell a jump from a cost per
+token, and its ridge charges the jump to the tokens, so a bucket that has not explored yet
+explores at once when its own fit first finds that no draft pays. (At 2 requests on the CPU
+one draft per request could cost a step nearly what four did; charged per token, that stopped
+prompt lookup drafting on a copy after the first steps, which draft one token.) As soon as the
+fit finds drafts costing twice
 what they earn or more (an exploration itself can show it), the next one waits
 ``EXPLORE_MAX`` steps after the last; between those steps the bucket keeps the last verdict its
 fit gave. A bucket without a fit of its own takes the nearest smaller bucket's cost, and does
@@ -62,12 +76,17 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-ACCEPTANCE_ALPHA = 0.3
-"""Weight of a request's newest verification in its acceptance EWMA."""
-PRIOR_ALPHA = 0.05
-"""Weight of any verification in the engine-wide acceptance EWMA new requests start from."""
-PRIOR_ACCEPTANCE = 0.7
-"""The engine-wide acceptance before any verification."""
+PRIOR_DECAY = 0.98
+"""Weight the engine's earlier verifications of a draft position keep at each new one."""
+PRIOR_WEIGHT = 10.0
+"""Verifications the engine-wide acceptance counts as in a request's estimate."""
+REQUEST_DECAY = 0.9
+"""Weight a request's earlier verifications keep at each step it samples in (so a request
+that stopped drafting drifts back to the engine-wide acceptance)."""
+PRIOR_ACCEPTANCE, FIRST_WEIGHT = 0.7, 3.0
+"""The engine-wide acceptance before any verification, counted as ``FIRST_WEIGHT``
+verifications (a few early rejections in a row must not stop a fresh engine's drafts: then
+only the rare probes would measure them)."""
 PRIOR_THETA = 0.2
 """Break-even acceptance of a bucket whose cost fit is not ready."""
 COST_DECAY = 0.97
@@ -77,17 +96,22 @@ MIN_FIT_WEIGHT = 5.0
 MIN_KIND_WEIGHT = 0.5
 """Weighted count of steps without drafts, of steps that proposed and of steps that verified,
 a fit needs."""
-PROBE_EVERY = 16
-"""Two steps in this many of a bucket draft nothing (the second of them verifies none either)."""
+PAUSE_WEIGHT = 0.6
+"""A bucket whose fit holds less than this weighted count of steps without drafts pauses:
+drafts nothing until it has one more (two steps: the first still verifies the drafts before
+it)."""
+CLEAR_MARGIN = 2.0
+"""Drafts expected to earn this many times their cost or more do not pause (a pause's lost
+drafts cost more than a stale fit could)."""
 EARLY_PROBES = (3, 4)
-"""Steps of a bucket that draft nothing too, so that its fit is ready early."""
+"""Steps of a bucket that draft nothing, so that its fit is ready early."""
 COLD_LENGTH = 1
 """The most a request drafts in a bucket whose fit is not ready."""
 PROBE_SYNC = 16
 """A request's one-token probe that does not pay for its step waits for a step with drafts
 that do, or for one in this many (so that the probes of several requests share a step)."""
 EXPLORE_EVERY, EXPLORE_MAX = 64, 4096
-"""In a bucket where no draft pays, a step drafts one token per request after this many steps,
+"""In a bucket where no draft pays, a step drafts in full for every request after this many steps,
 then after twice as many, ... up to ``EXPLORE_MAX`` while no draft pays; ``EXPLORE_MAX`` after
 the last as soon as drafts are found far from paying (an exploration can be dear: a draft
 model first catches up on every token since its request last drafted, its whole prompt for a
@@ -180,7 +204,10 @@ class StepCostFit:
 
 @dataclass
 class _Request:
-    accept: list[float]
+    """A request's decayed counts of accepted drafts and of verified ones per position."""
+
+    hits: list[float]
+    trials: list[float]
     idle: int = 0
     reprobe_after: int = REPROBE_FIRST
     probing: bool = False
@@ -204,19 +231,23 @@ class DraftLengthPolicy:
     disable_by_batch_size: int = 0
     draft_cost: float = 0.0
     length_counts: list[int] = field(default_factory=list)
-    prior: list[float] = field(default_factory=list)
+    prior_hits: list[float] = field(default_factory=list)
+    prior_trials: list[float] = field(default_factory=list)
     fits: dict[int, StepCostFit] = field(default_factory=dict)
     costs: dict[int, StepCost] = field(default_factory=dict)
     steps: dict[int, int] = field(default_factory=dict)
     explore_at: dict[int, int] = field(default_factory=dict)
     explore_gaps: dict[int, int] = field(default_factory=dict)
     requests: dict[str, _Request] = field(default_factory=dict)
+    explored: set[int] = field(default_factory=set)
+    """Buckets that have explored (drafted in full for every request)."""
     reprobe_first: int = REPROBE_FIRST
     """The interval new requests probe after: the one the last probe left."""
 
     def __post_init__(self) -> None:
         self.length_counts = [0] * (self.max_length + 1)
-        self.prior = [PRIOR_ACCEPTANCE] * self.max_length
+        self.prior_hits = [PRIOR_ACCEPTANCE * FIRST_WEIGHT] * self.max_length
+        self.prior_trials = [FIRST_WEIGHT] * self.max_length
         if self.adaptive and self.draft_cost >= 1:
             logger.warning(
                 "speculative decoding drafts nothing: the proposer reckons a draft token costs "
@@ -244,6 +275,14 @@ class DraftLengthPolicy:
     def _adaptive(self, req_ids: list[str], rooms: dict[str, int], num_running: int) -> dict[str, int]:
         bucket = bucket_of(num_running)
         step = self.steps[bucket] = self.steps.get(bucket, 0) + 1
+        for req_id in req_ids:
+            req = self.requests.get(req_id)
+            if req is None:
+                req = self.requests[req_id] = _Request(
+                    [0.0] * self.max_length, [0.0] * self.max_length, reprobe_after=self.reprobe_first
+                )
+            req.hits = [h * REQUEST_DECAY for h in req.hits]
+            req.trials = [t * REQUEST_DECAY for t in req.trials]
         own = self._cost(bucket)
         cost = own or next(filter(None, map(self._cost, reversed(range(bucket)))), None)
         if cost is not None:
@@ -251,8 +290,8 @@ class DraftLengthPolicy:
         else:
             pays = False if self.draft_cost >= 1 else None
         out: dict[str, int] = {}
-        if step % PROBE_EVERY not in (0, PROBE_EVERY - 1) and step not in EARLY_PROBES and pays is not False:
-            out = self._drafts(req_ids, rooms, num_running, cost, step)
+        if step not in EARLY_PROBES and pays is not False:
+            out = self._drafts(req_ids, rooms, num_running, cost, step, self._pause(bucket))
         gap = self.explore_gaps.get(bucket, EXPLORE_EVERY)
         if out:
             self.explore_gaps[bucket] = EXPLORE_EVERY
@@ -262,14 +301,16 @@ class DraftLengthPolicy:
             if not pays and gap < EXPLORE_MAX and self._far_from_paying(own, num_running):
                 due = self.explore_at[bucket] = due - gap + EXPLORE_MAX
                 gap = self.explore_gaps[bucket] = EXPLORE_MAX
-            if req_ids and step >= due:
-                out = dict.fromkeys(req_ids, 1)
+            if req_ids and (step >= due or not pays and bucket not in self.explored):
+                self.explored.add(bucket)
+                out = {r: min(self.max_length, rooms[r]) for r in req_ids}
                 self.explore_gaps[bucket] = min(2 * gap, EXPLORE_MAX)
                 self.explore_at[bucket] = step + self.explore_gaps[bucket]
         return out
 
     def _drafts(
-        self, req_ids: list[str], rooms: dict[str, int], num_running: int, cost: StepCost | None, step: int
+        self, req_ids: list[str], rooms: dict[str, int], num_running: int, cost: StepCost | None, step: int,
+        pause: bool,
     ) -> dict[str, int]:
         """Each request's longest paying run of drafts, none if together they do not pay for
         the step; the one-token probes due, if they pay or other drafts do, else every
@@ -278,12 +319,10 @@ class DraftLengthPolicy:
         out: dict[str, int] = {}
         expected = 0.0
         for req_id in req_ids:
-            req = self.requests.get(req_id)
-            if req is None:
-                req = self.requests[req_id] = _Request(list(self.prior), reprobe_after=self.reprobe_first)
+            req = self.requests[req_id]
             length, chance = 0, 1.0
-            for p in req.accept[: min(self.max_length if cost is not None else COLD_LENGTH, rooms[req_id])]:
-                chance *= p
+            for j in range(min(self.max_length if cost is not None else COLD_LENGTH, rooms[req_id])):
+                chance *= self._acceptance(req, j)
                 if chance < theta:
                     break
                 length += 1
@@ -292,6 +331,10 @@ class DraftLengthPolicy:
                 out[req_id] = length
         if cost is not None and out and not cost.pays(num_running, expected, sum(out.values())):
             out = {}
+        if pause and not (
+            cost is not None and out and cost.pays(num_running, expected / CLEAR_MARGIN, sum(out.values()))
+        ):
+            return {}
         due = []
         for req_id in req_ids:
             req = self.requests[req_id]
@@ -305,13 +348,26 @@ class DraftLengthPolicy:
             out
             or step % PROBE_SYNC == PROBE_SYNC // 2
             or cost is None
-            or cost.pays(num_running, sum(self.requests[r].accept[0] for r in due), len(due))
+            or cost.pays(num_running, sum(self._acceptance(self.requests[r], 0) for r in due), len(due))
         ):
             for req_id in due:
                 req = self.requests[req_id]
                 req.idle, req.probing = 0, True
                 out[req_id] = 1
         return out
+
+    def _acceptance(self, req: _Request, j: int) -> float:
+        """The chance that ``req``'s draft at position ``j`` is accepted when those before it
+        are: its own decayed counts, with the engine-wide acceptance counted as
+        ``PRIOR_WEIGHT`` verifications."""
+        prior = self.prior_hits[j] / self.prior_trials[j]
+        return (prior * PRIOR_WEIGHT + req.hits[j]) / (PRIOR_WEIGHT + req.trials[j])
+
+    def _pause(self, bucket: int) -> bool:
+        """Whether the bucket's fit has seen too few steps without drafts lately (then two
+        steps draft nothing: the second verifies none either)."""
+        fit = self.fits.get(bucket)
+        return fit is not None and fit.w >= MIN_FIT_WEIGHT and fit.kinds[0] < PAUSE_WEIGHT
 
     def _cost(self, bucket: int) -> StepCost | None:
         """The bucket's fitted cost, else the last one its fit gave (a bucket that stopped
@@ -340,12 +396,16 @@ class DraftLengthPolicy:
         req = self.requests.get(req_id)
         for j in range(min(num_accepted + 1, num_drafts)):
             hit = float(j < num_accepted)
-            self.prior[j] += PRIOR_ALPHA * (hit - self.prior[j])
+            self.prior_hits[j] = self.prior_hits[j] * PRIOR_DECAY + hit
+            self.prior_trials[j] = self.prior_trials[j] * PRIOR_DECAY + 1
             if req is not None:
-                req.accept[j] += ACCEPTANCE_ALPHA * (hit - req.accept[j])
+                req.hits[j] += hit
+                req.trials[j] += 1
         if req is not None and 0 < num_drafts == num_accepted < self.max_length:
-            gap = req.accept[num_drafts - 1] - req.accept[num_drafts]
-            req.accept[num_drafts] += ACCEPTANCE_ALPHA * max(gap, 0.0)
+            last = self._acceptance(req, num_drafts - 1)
+            if last > self._acceptance(req, num_drafts):
+                req.hits[num_drafts] += last
+                req.trials[num_drafts] += 1
         if req is not None and req.probing:
             req.probing = False
             req.reprobe_after = self.reprobe_first = (
