@@ -49,11 +49,11 @@ request drafts ``num_speculative_tokens`` (an exploration), so that the fit keep
 what drafts cost where the verdict is made, then after twice as many steps, and so on up to
 ``EXPLORE_MAX``. A fit that has seen only short drafts cannot tell a jump from a cost per
 token, and its ridge charges the jump to the tokens, so a bucket that has not explored yet
-explores at once when its own fit first finds that no draft pays. (At 2 requests on the CPU
-one draft per request could cost a step nearly what four did; charged per token, that stopped
-prompt lookup drafting on a copy after the first steps, which draft one token.) As soon as the
-fit finds drafts costing twice
-what they earn or more (an exploration itself can show it), the next one waits
+explores at once when its own fit first finds that no draft pays. (At 2 requests on a noisy
+host, steps with one draft per request once measured nearly as dear as steps with four;
+charged per token, that stopped prompt lookup drafting on a copy after the cold steps, which
+draft one token, and one-token explorations never showed otherwise.) As soon as the fit
+finds drafts costing twice what they earn or more (an exploration itself can show it), the next one waits
 ``EXPLORE_MAX`` steps after the last; between those steps the bucket keeps the last verdict its
 fit gave. A bucket without a fit of its own takes the nearest smaller bucket's cost, and does
 not explore: at more requests a step costs more, so that cost makes drafts look dearer than
@@ -266,11 +266,15 @@ class DraftLengthPolicy:
         elif self.adaptive:
             out = self._adaptive(req_ids, rooms, num_running)
         else:
-            out = {r: min(self.max_length, rooms[r]) for r in req_ids}
+            out = self._in_full(req_ids, rooms)
         self.length_counts[0] += len(rooms) - len(out)
         for length in out.values():
             self.length_counts[length] += 1
         return out
+
+    def _in_full(self, req_ids: list[str], rooms: dict[str, int]) -> dict[str, int]:
+        """``num_speculative_tokens`` for each request, fewer where its room is less."""
+        return {r: min(self.max_length, rooms[r]) for r in req_ids}
 
     def _adaptive(self, req_ids: list[str], rooms: dict[str, int], num_running: int) -> dict[str, int]:
         bucket = bucket_of(num_running)
@@ -303,7 +307,7 @@ class DraftLengthPolicy:
                 gap = self.explore_gaps[bucket] = EXPLORE_MAX
             if req_ids and (step >= due or not pays and bucket not in self.explored):
                 self.explored.add(bucket)
-                out = {r: min(self.max_length, rooms[r]) for r in req_ids}
+                out = self._in_full(req_ids, rooms)
                 self.explore_gaps[bucket] = min(2 * gap, EXPLORE_MAX)
                 self.explore_at[bucket] = step + self.explore_gaps[bucket]
         return out
