@@ -165,6 +165,7 @@ def _features(verified: int, proposed: int) -> np.ndarray:
 _JUMPS = np.diag([0.0, 1.0, 1.0, 0.0, 0.0])
 """The fit's ridge: the two jumps, which the steps may not tell from the per-token costs (all
 drafting steps of one length), stay 0 then."""
+_IS_JUMP = np.diag(_JUMPS) > 0
 RIDGE = 1e-3
 
 
@@ -207,13 +208,12 @@ class StepCostFit:
         exploration among steps of one draft each (its three drafts proposed where the head
         first catches up) had the fit pay for it with jumps of -14 and -5 ms and a draft at
         28 ms, three times what a step of one draft cost over one without."""
+        ff = self.ff + RIDGE * self.w * _JUMPS
         keep: np.ndarray = np.ones(len(self.ft), dtype=bool)
         while True:
             solution = np.zeros(len(self.ft))
-            solution[keep] = np.linalg.lstsq(
-                (self.ff + RIDGE * self.w * _JUMPS)[np.ix_(keep, keep)], self.ft[keep], rcond=None
-            )[0]
-            negative = keep & (np.diag(_JUMPS) > 0) & (solution < 0)
+            solution[keep] = np.linalg.lstsq(ff[np.ix_(keep, keep)], self.ft[keep], rcond=None)[0]
+            negative = keep & _IS_JUMP & (solution < 0)
             if not negative.any():
                 return solution
             keep &= ~negative
